@@ -1,0 +1,3 @@
+"""openpack: packed SFT, reward-model, DPO and RLHF training on Ray + DeepSpeed."""
+
+__version__ = "0.1.0"

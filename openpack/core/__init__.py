@@ -1,0 +1,1 @@
+"""Pure-torch building blocks: packing planner, PackedBatch, log-probs. Imports only torch and numpy."""

@@ -1,0 +1,130 @@
+"""PackedBatch: many segments in one row, with everything needed to keep them apart.
+
+Two samples packed into one row (sample 0 is a 3-token prompt ``p`` plus a
+2-token answer ``a``; sample 1 is prompt ``q`` plus answer ``b``)::
+
+    input_ids     p0 p1 p2 a0 a1 | q0 q1 b0 b1 b2
+    position_ids   0  1  2  3  4 |  0  1  2  3  4
+    labels         -  -  a0 a1 - |  -  b0 b1 b2 -      (- is IGNORE_INDEX)
+    loss_mask      0  0  1  1  0 |  0  1  1  1  0
+    segment_ids    0  0  0  0  0 |  1  1  1  1  1
+    cu_seqlens    [0, 5, 10]   max_seqlen 5
+    sample_index  [0, 1]       role [SAMPLE, SAMPLE]
+
+Labels are shifted *inside* each segment before flattening, so the last token
+of a segment predicts nothing; it never learns the next segment's first token
+(the bug in verl #6475). Results are read back through the segment table
+(``sample_index``, ``role``), never by position or batch halves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+IGNORE_INDEX = -100
+
+# Roles a segment can play in its group; a trainer looks results up by role.
+SAMPLE, CHOSEN, REJECTED, PROMPT = 0, 1, 2, 3
+ROLE_NAMES = ("sample", "chosen", "rejected", "prompt")
+
+
+@dataclass
+class Segment:
+    """One tokenized sequence before packing.
+
+    ``targets[i]`` says whether token ``i`` is trained on (predicted from the
+    tokens before it); e.g. False for prompt tokens, True for the answer.
+    A segment's first token can never be a target.
+    """
+
+    tokens: Sequence[int]
+    targets: Sequence[bool]
+    sample_index: int
+    role: int = SAMPLE
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.targets):
+            raise ValueError(
+                f"sample {self.sample_index}: {len(self.tokens)} tokens but {len(self.targets)} target flags"
+            )
+        if not self.tokens:
+            raise ValueError(f"sample {self.sample_index}: empty segment")
+
+
+@dataclass
+class PackedBatch:
+    """A packed row; shapes with T tokens and S segments.
+
+    input_ids, position_ids, labels: [1, T] int64; loss_mask: [1, T] bool;
+    segment_ids: [T] int64; cu_seqlens: [S + 1] int32; max_seqlen: int;
+    sample_index, role: [S] int64.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    segment_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    sample_index: torch.Tensor
+    role: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def num_segments(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def to(self, device) -> "PackedBatch":
+        moved = {
+            f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
+            for f in fields(self)
+            for v in [getattr(self, f.name)]
+        }
+        return PackedBatch(**moved)
+
+    def attention_kwargs(self) -> dict:
+        """Keyword arguments a Hugging Face decoder forwards to its attention function."""
+        return {
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_seqlen,
+            "max_length_k": self.max_seqlen,
+        }
+
+
+def collate_packed(segments: Sequence[Segment]) -> PackedBatch:
+    """Flatten segments into one PackedBatch, shifting labels inside each segment."""
+    if not segments:
+        raise ValueError("cannot pack zero segments")
+    lengths = [len(s.tokens) for s in segments]
+    input_ids, labels = [], []
+    for seg in segments:
+        tokens = list(seg.tokens)
+        input_ids.extend(tokens)
+        nxt = zip(tokens[1:], list(seg.targets)[1:])
+        labels.extend([tok if is_target else IGNORE_INDEX for tok, is_target in nxt])
+        labels.append(IGNORE_INDEX)  # the last token predicts nothing
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths_t, 0)
+    segment_ids = torch.repeat_interleave(torch.arange(len(segments)), lengths_t)
+    starts = cu_seqlens[:-1].to(torch.int64)[segment_ids]
+    labels_t = torch.tensor(labels, dtype=torch.int64)[None]
+    return PackedBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64)[None],
+        position_ids=(torch.arange(len(input_ids)) - starts)[None],
+        labels=labels_t,
+        loss_mask=labels_t != IGNORE_INDEX,
+        segment_ids=segment_ids,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(lengths),
+        sample_index=torch.tensor([s.sample_index for s in segments], dtype=torch.int64),
+        role=torch.tensor([s.role for s in segments], dtype=torch.int64),
+    )

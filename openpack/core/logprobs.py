@@ -1,0 +1,109 @@
+"""Per-token and per-segment log-probs from hidden states, in token chunks.
+
+A packed row of T tokens through a vocab of V has T x V logits; at T = 8192
+and V = 128k that is 4 GiB in fp32, more than the model's activations. Here
+logits exist only for ``chunk_tokens`` rows at a time, in the forward and
+again (recomputed) in the backward, so peak extra memory is
+``chunk_tokens x V x 4`` bytes (256 MiB by default at V = 128k), whatever T is.
+Only tokens that carry a label are projected at all: a DPO prompt costs no
+vocab projection.
+
+``token_logprobs`` gives log p(label_t | tokens <= t) for each position;
+``segment_logprobs`` sums and averages them per segment of a PackedBatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openpack.core.batch import IGNORE_INDEX, PackedBatch
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 26  # logits per chunk: 64M floats = 256 MiB in fp32
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    return max(1, DEFAULT_CHUNK_ELEMENTS // vocab_size)
+
+
+class _ChunkedLabelLogprobs(torch.autograd.Function):
+    """log_softmax(hidden @ weight.T)[label], chunk by chunk; backward recomputes each chunk.
+
+    d logp_t / d logits_t = onehot(label_t) - softmax(logits_t), so the
+    backward needs only the chunk's logits, never the whole [N, V] block.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens):
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = start + chunk_tokens
+            logits = (hidden[start:end] @ weight.T).float()
+            picked = logits.gather(1, labels[start:end, None])[:, 0]
+            out[start:end] = picked - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.chunk_tokens = chunk_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, labels = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            end = start + ctx.chunk_tokens
+            logits = (hidden[start:end] @ weight.T).float()
+            grad = torch.softmax(logits, dim=-1).mul_(-grad_out[start:end, None])
+            grad.scatter_add_(1, labels[start:end, None], grad_out[start:end, None])
+            grad = grad.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad @ weight
+            if grad_weight is not None:
+                grad_weight.add_(grad.T.float() @ hidden[start:end].float())
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Log-prob of each label under ``softmax(hidden @ weight.T)``.
+
+    hidden: [T, H]; weight: [V, H] (the LM head); labels: [T] with
+    IGNORE_INDEX where there is nothing to predict. Returns [T] fp32, 0.0 at
+    ignored positions.
+    """
+    labels = labels.reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    positions = (labels != IGNORE_INDEX).nonzero()[:, 0]
+    picked = _ChunkedLabelLogprobs.apply(hidden[positions], weight, labels[positions], chunk_tokens)
+    out = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)
+    return out.index_put((positions,), picked)
+
+
+@dataclass
+class SegmentLogprobs:
+    """Per-segment results, indexed like ``PackedBatch.sample_index``: each [S]."""
+
+    sum: torch.Tensor
+    count: torch.Tensor
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.sum / self.count.clamp(min=1)
+
+
+def segment_logprobs(batch: PackedBatch, per_token: torch.Tensor) -> SegmentLogprobs:
+    """Sum the per-token log-probs ([T]) of each segment and count its label tokens."""
+    segment_ids = batch.segment_ids.to(per_token.device)
+    mask = batch.loss_mask.reshape(-1).to(per_token.device)
+    zeros = torch.zeros(batch.num_segments, dtype=per_token.dtype, device=per_token.device)
+    sums = zeros.index_add(0, segment_ids, per_token * mask)
+    counts = torch.zeros_like(zeros, dtype=torch.int64).index_add(0, segment_ids, mask.to(torch.int64))
+    return SegmentLogprobs(sum=sums, count=counts)

@@ -1,0 +1,1 @@
+"""Hugging Face model loading and the segment-isolated (varlen) attention backends."""

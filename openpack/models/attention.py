@@ -1,0 +1,188 @@
+"""Segment-isolated attention for packed rows, registered with transformers.
+
+``ATTN_IMPLEMENTATION`` ("openpack_varlen") is one attention function that
+every supported Hugging Face decoder calls through ``AttentionInterface``.
+With ``cu_seq_lens_q`` in its keyword arguments (a packed forward; see
+``PackedBatch.attention_kwargs``) it attends inside each segment only, on the
+first backend that is available:
+
+1. ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (flash-attn installed, CUDA);
+2. ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, no flash-attn);
+3. ``sdpa``: scaled-dot-product attention per segment (CPU; also the reference).
+
+``set_attention_backend`` overrides the choice; the choice is logged once per
+backend. Without ``cu_seq_lens_q`` (generation, evaluation, padded batches) it
+is plain transformers SDPA, so the same model object also generates.
+
+Boundaries are never guessed from ``position_ids``. A packed forward with a KV
+cache is refused: transformers' own packed-sequence detection switches off
+when a cache is present (measured 0.50 max logit error on a tiny Llama).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "openpack_varlen"
+BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa")
+
+_requested = "auto"
+_logged: set[str] = set()
+
+
+class PackedCacheError(RuntimeError):
+    """A packed forward was asked to use a KV cache."""
+
+
+def set_attention_backend(name: str) -> None:
+    """Force a backend for packed forwards (``--attn_backend``); "auto" picks by device."""
+    global _requested
+    if name not in BACKENDS:
+        raise ValueError(f"--attn_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "flash_attn" and not _flash_attn_installed():
+        raise ValueError("--attn_backend flash_attn: flash-attn is not installed (pip install openpack[gpu])")
+    if name == "torch_varlen" and not _torch_varlen_available():
+        raise ValueError("--attn_backend torch_varlen needs torch >= 2.10 with torch.nn.attention.varlen")
+    _requested = name
+
+
+def resolve_backend(device: torch.device) -> str:
+    """The backend a packed forward on ``device`` uses now."""
+    if _requested != "auto":
+        return _requested
+    if device.type == "cuda" and _flash_attn_installed():
+        return "flash_attn"
+    if device.type == "cuda" and _torch_varlen_available():
+        return "torch_varlen"
+    return "sdpa"
+
+
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _torch_varlen_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The ``AttentionInterface`` entry: query [1, Hq, T, D], key/value [1, Hkv, T, D]."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        return _unpacked_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if kwargs.get("use_cache") or key.shape[2] != query.shape[2]:
+        raise PackedCacheError(
+            "packed forward with a KV cache: transformers stops isolating packed segments when a cache "
+            "is used; pass use_cache=False (openpack.models.packed_forward does)"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"packed rows have batch size 1, got query of shape {tuple(query.shape)}")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("openpack_varlen attention does not support attention logit softcapping")
+    backend = resolve_backend(query.device)
+    if backend not in _logged:
+        _logged.add(backend)
+        logger.info("packed attention backend: %s (device %s)", backend, query.device)
+    window = kwargs.get("sliding_window")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    out = _KERNELS[backend](
+        q, k, v, cu_seqlens, int(kwargs["max_length_q"]), scaling, dropout, window, module.num_key_value_groups
+    )
+    return out[None], None  # [1, T, Hq, D], as transformers' backends return
+
+
+def _flash_attn_kernel(q, k, v, cu_seqlens, max_seqlen, scale, dropout, window, _groups):
+    from flash_attn import flash_attn_varlen_func
+
+    # flash-attn handles GQA natively; window (left, right) keeps keys in [i - left, i].
+    window_size = (window - 1, 0) if window else (-1, -1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        dropout_p=dropout, softmax_scale=scale, causal=True, window_size=window_size,
+    )
+
+
+def _torch_varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scale, dropout, window, groups):
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout:
+        raise ValueError("torch_varlen attention has no dropout; use flash_attn or set attention_dropout=0")
+    # (-1, 0) is plain causal; (W - 1, 0) a causal sliding window of W keys.
+    window_size = (window - 1, 0) if window else (-1, 0)
+    return varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        scale=scale, window_size=window_size, enable_gqa=groups > 1,
+    )
+
+
+def _sdpa_kernel(q, k, v, cu_seqlens, _max_seqlen, scale, dropout, window, groups):
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        mask = _sliding_causal_mask(end - start, window, q.device) if window and window < end - start else None
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scale
+        )
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def _sliding_causal_mask(length: int, window: int, device) -> torch.Tensor:
+    i = torch.arange(length, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def _unpacked_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """Plain SDPA for rows without ``cu_seq_lens_q`` (generation, evaluation, padded batches)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    length = query.shape[2]
+    if attention_mask is None and length > 1:
+        positions = kwargs.get("position_ids")
+        if positions is not None and bool((positions[..., 1:] - positions[..., :-1] != 1).any()):
+            raise ValueError(
+                "position_ids restart inside the row but no cu_seq_lens_q was given: openpack never "
+                "guesses packed boundaries; pass PackedBatch.attention_kwargs() (see packed_forward)"
+            )
+        window = kwargs.get("sliding_window")
+        if window and window < length:  # our mask hook returned None; the window still applies
+            attention_mask = _sliding_causal_mask(length, window, query.device)[None, None]
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+_KERNELS = {"flash_attn": _flash_attn_kernel, "torch_varlen": _torch_varlen_kernel, "sdpa": _sdpa_kernel}
+
+
+def _mask_for_packed(batch_size, q_length, kv_length, *args, **kwargs):
+    """Transformers' mask hook for our implementation name.
+
+    A packed or plain unpadded forward needs no mask (the kernels apply
+    causality and any sliding window themselves), which also spares a [T, T]
+    mask per packed forward. Padding or a cache fall back to transformers' SDPA mask.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    no_offset = kwargs.get("q_offset", 0) == 0 and kwargs.get("kv_offset", 0) == 0
+    if kwargs.get("attention_mask") is None and q_length == kv_length and no_offset:
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, *args, **kwargs)
+
+
+def register_packed_attention() -> str:
+    """Register the attention function and its mask hook; returns the implementation name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask_for_packed)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,53 @@
+"""One packed forward of a Hugging Face causal LM, and its per-token log-probs.
+
+The trainer hands over a PackedBatch and gets log-probs back; it never sees
+whether rows were packed. The forward always runs with ``use_cache=False``
+and explicit ``cu_seqlens`` (see ``openpack.models.attention``), and the LM
+head is applied in token chunks by ``openpack.core.logprobs``, so the
+``[T, vocab]`` logits never exist at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openpack.core.batch import PackedBatch
+from openpack.core.logprobs import token_logprobs
+from openpack.models.attention import ATTN_IMPLEMENTATION, PackedCacheError
+
+# Config fields that make logits differ from lm_head(hidden); those models need their own head.
+_UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+
+
+def packed_forward(model, batch: PackedBatch, use_cache: bool = False) -> torch.Tensor:
+    """Final hidden states [T, H] of one packed row, each segment attending only to itself."""
+    if use_cache:
+        raise PackedCacheError(
+            "packed_forward(use_cache=True): a KV cache disables transformers' isolation of packed "
+            "segments; training forwards always run with use_cache=False"
+        )
+    implementation = model.config._attn_implementation
+    if implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"model uses attn_implementation={implementation!r}; load it through openpack.models "
+            f"(attn_implementation={ATTN_IMPLEMENTATION!r}) so packed segments stay isolated"
+        )
+    output = model.get_decoder()(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        **batch.attention_kwargs(),
+    )
+    return output.last_hidden_state[0]
+
+
+def packed_token_logprobs(model, batch: PackedBatch, chunk_tokens: int | None = None) -> torch.Tensor:
+    """log p(label_t) for every position of the row: [T] fp32, 0.0 where there is no label."""
+    for name in _UNSUPPORTED_LOGIT_TRANSFORMS:
+        if getattr(model.config, name, None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__} sets config.{name}; openpack's chunked LM head does not apply it")
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__} has an LM head bias; openpack's chunked LM head does not apply it")
+    hidden = packed_forward(model, batch)
+    return token_logprobs(hidden, head.weight, batch.labels[0], chunk_tokens)
