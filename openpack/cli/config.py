@@ -1,0 +1,269 @@
+"""Config system of every ``openpack`` command: dataclasses -> flags, YAML and saved config.
+
+A command declares its options as ``@dataclass`` classes whose fields carry a
+default and a one-line help string (``arg``). From those alone come the
+``--flag`` parser, the ``--config file.yaml`` schema and the ``config.yaml`` a
+run saves, so the three cannot drift apart. Precedence is
+
+    dataclass defaults  <  --config file.yaml  <  flags given on the command line
+
+The trade-off: the YAML is flat (keys are field names, unique across one
+command's classes) and field types are limited to int, float, str, bool,
+``X | None`` and ``list[int | float | str]``. In exchange every key and value is
+checked (unknown keys are errors with a difflib suggestion) and a saved config
+loads back into equal instances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import functools
+import os
+import re
+import tempfile
+import types
+from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file, key, flag or value the user must fix; the message says which and how."""
+
+
+_UNSET = object()  # argparse default, so a flag the user gave is told apart from any value
+
+
+def arg(default: Any, help: str, choices: list | tuple | None = None) -> Any:
+    """A dataclass field with a one-line ``help`` (and optional ``choices``) for ``build_parser``.
+
+    List defaults go through ``default_factory`` so instances never share one list.
+    """
+    metadata = {"help": help, "choices": tuple(choices) if choices else None}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=functools.partial(list, default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+class _Spec(NamedTuple):
+    name: str
+    scalar: type  # int | float | str | bool
+    is_list: bool
+    optional: bool
+    default: Any
+    help: str
+    choices: tuple | None
+
+
+def _spec(cls: type, f: dataclasses.Field, hint: Any) -> _Spec:
+    """Describe one field; raise TypeError for a type or default the parser cannot handle."""
+    where = f"{cls.__name__}.{f.name}"
+    args = get_args(hint)
+    optional = get_origin(hint) in (Union, types.UnionType) and type(None) in args
+    if optional:
+        hint = next(a for a in args if a is not type(None)) if len(args) == 2 else None
+    is_list = get_origin(hint) is list
+    scalar = get_args(hint)[0] if is_list and get_args(hint) else hint
+    if scalar not in (int, float, str, bool) or (is_list and scalar is bool):
+        raise TypeError(f"{where}: unsupported type; use int, float, str, bool, X | None or list[int|float|str]")
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:
+        raise TypeError(f"{where} needs a default; declare it with arg(default, help)")
+    return _Spec(f.name, scalar, is_list, optional, default, f.metadata.get("help", ""), f.metadata.get("choices"))
+
+
+def _specs(config_classes: tuple[type, ...]) -> dict[str, _Spec]:
+    """All init fields of the classes by name; a name used twice (or 'config') is an error."""
+    specs: dict[str, _Spec] = {}
+    owner = {"config": "the built-in --config flag"}
+    for cls in config_classes:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            if f.name in owner:
+                raise ValueError(f"field '{f.name}' of {cls.__name__} clashes with {owner[f.name]}; rename one")
+            owner[f.name] = cls.__name__
+            specs[f.name] = _spec(cls, f, hints[f.name])
+    return specs
+
+
+def _check(value: Any, spec: _Spec, where: str) -> Any:
+    """Type-check a YAML (or alias) value against its field; ints widen to float."""
+    if value is None and spec.optional:
+        return None
+    if spec.is_list != isinstance(value, list):
+        kind = f"a list of {spec.scalar.__name__}" if spec.is_list else f"a single {spec.scalar.__name__}"
+        raise ConfigError(f"{where}: expected {kind}, got {value!r}")
+    for item in value if spec.is_list else [value]:
+        ok = isinstance(item, spec.scalar) and (spec.scalar is bool or not isinstance(item, bool))
+        ok = ok or (spec.scalar is float and isinstance(item, int) and not isinstance(item, bool))
+        if not ok:
+            fix = (f"quote it: \"{item}\"" if spec.scalar is str else f"write an unquoted {spec.scalar.__name__}"
+                   + (f", e.g. the default {spec.default}" if spec.default is not None else ""))
+            raise ConfigError(f"{where}: expected {spec.scalar.__name__}, got {item!r} "
+                              f"({type(item).__name__}); {fix}")
+        if spec.choices and item not in spec.choices:
+            raise ConfigError(f"{where}: {item!r} is not one of {', '.join(map(str, spec.choices))}")
+    if spec.scalar is float:
+        return [float(v) for v in value] if spec.is_list else float(value)
+    return value
+
+
+class _BoolFlag(argparse.Action):
+    """``--name`` sets True, ``--no_name`` sets False (underscores, like every openpack flag)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        negatives = ["--no_" + s[2:] for s in option_strings]
+        super().__init__(option_strings + negatives, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no_"))
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+def _cli_type(spec: _Spec):
+    """The argparse ``type`` of a field: its scalar, with 'None'/'null' -> None when optional."""
+    def convert(text: str):
+        return None if spec.optional and text in ("None", "null") else spec.scalar(text)
+    convert.__name__ = spec.scalar.__name__  # argparse says "invalid int value: 'x'"
+    return convert
+
+
+def build_parser(prog: str, description: str, *config_classes: type,
+                 aliases: dict[str, tuple[str, Any]] | None = None) -> argparse.ArgumentParser:
+    """One ``--name`` flag per field of ``config_classes`` (plus ``--config`` and ``aliases``).
+
+    Every flag defaults to a private sentinel, so ``parse_config`` can tell which
+    flags the user gave; the help text shows the field's real default.
+    """
+    specs = _specs(config_classes)
+    # allow_abbrev=False: a typo like --lr must not silently mean --lr_warmup_ratio
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    parser.add_argument("--config", metavar="PATH.yaml", default=None,
+                        help="YAML file of option values (flat: field name -> value); flags override it")
+    for cls in config_classes:
+        doc = cls.__doc__ if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""
+        group = parser.add_argument_group(cls.__name__, doc.strip().split("\n")[0] or None)
+        for name in (f.name for f in dataclasses.fields(cls) if f.init):
+            s = specs[name]
+            kw: dict[str, Any] = {"dest": name, "default": _UNSET,
+                                  "help": f"{s.help} (default: {s.default})".replace("%", "%%")}
+            if s.scalar is bool and not s.is_list:
+                kw["action"] = _BoolFlag
+            else:
+                kw.update(type=_cli_type(s), nargs="+" if s.is_list else None)
+                if s.choices:
+                    kw["choices"] = s.choices + ((None,) if s.optional else ())
+            group.add_argument(f"--{name}", **kw)
+    if aliases:
+        group = parser.add_argument_group("aliases")
+        for flag, (name, value) in aliases.items():
+            if name not in specs:
+                raise ValueError(f"alias {flag} targets unknown field '{name}'")
+            value = _check(value, specs[name], f"alias {flag}")
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            target = f"--{'' if value else 'no_'}{name}" if isinstance(value, bool) else f"--{name} {shown}"
+            group.add_argument(flag, dest=name, action="store_const", const=value, default=_UNSET,
+                               help=f"alias of {target}")
+    return parser
+
+
+# PyYAML follows YAML 1.1, which reads `lr: 1e-5` (no dot) as the string "1e-5"
+# (yaml/pyyaml#173). Read it as a float, as YAML 1.2 does; the dumper shares the
+# rule, so a str that looks like one is quoted on save and still round-trips.
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float",
+                               re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                               list("-+0123456789"))
+
+
+def _load_yaml(path: str, specs: dict[str, _Spec]) -> dict[str, Any]:
+    """Checked values of a flat YAML config file, by field name."""
+    try:
+        with open(path) as f:
+            data = yaml.load(f, Loader=_Loader)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); check the path") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML; fix the syntax:\n{e}") from e
+    if not isinstance(data, dict | None):
+        raise ConfigError(f"{path}: expected a mapping 'field_name: value', got a {type(data).__name__}")
+    values = {}
+    for key, value in (data or {}).items():
+        if key not in specs:
+            close = difflib.get_close_matches(str(key), list(specs), n=1)
+            fix = f"did you mean '{close[0]}'?" if close else "see --help for the valid keys"
+            raise ConfigError(f"{path}: unknown key '{key}'; {fix}")
+        values[key] = _check(value, specs[key], f"{path}: key '{key}'")
+    return values
+
+
+def parse_config(argv: list[str] | None, prog: str, description: str, *config_classes: type,
+                 aliases: dict[str, tuple[str, Any]] | None = None) -> tuple:
+    """Parse ``argv`` into one instance per class (same order), then call each ``validate()``.
+
+    Defaults < ``--config`` YAML < flags given. Bad YAML and ``validate`` failures
+    raise ``ConfigError``; bad flags exit through argparse (status 2), as usual.
+    """
+    parser = build_parser(prog, description, *config_classes, aliases=aliases)
+    specs = _specs(config_classes)
+    ns = parser.parse_args(argv)
+    values = _load_yaml(ns.config, specs) if ns.config else {}
+    for name, spec in specs.items():
+        given = getattr(ns, name)
+        if given is _UNSET:
+            continue
+        if spec.is_list and None in given:  # optional list: `--name None` alone means None
+            if given != [None]:
+                parser.error(f"--{name}: None must be given alone, e.g. `--{name} None`")
+            given = None
+        values[name] = given
+    instances = tuple(cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+                      for cls in config_classes)
+    for instance in instances:
+        if callable(getattr(instance, "validate", None)):
+            instance.validate()
+    return instances
+
+
+def config_to_dict(*instances: Any) -> dict[str, Any]:
+    """Flat ``{field_name: value}`` of all init fields, in class then field order."""
+    return {f.name: (list(v) if isinstance(v := getattr(inst, f.name), list) else v)
+            for inst in instances for f in dataclasses.fields(inst) if f.init}
+
+
+def save_config(path: str | os.PathLike, *instances: Any) -> None:
+    """Write ``config_to_dict(*instances)`` as YAML, atomically: temp file in the same folder, then rename.
+
+    The file loads back with ``--config`` into equal instances.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".config-", suffix=".yaml.tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.dump(config_to_dict(*instances), f, Dumper=_Dumper, sort_keys=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a run's config is meant to be read
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,1 @@
+"""Dataset loading, chat templates, tokenization and the built-in demo task."""

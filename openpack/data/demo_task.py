@@ -1,0 +1,125 @@
+"""The built-in demo task: two-number addition with an exactly checkable answer.
+
+Used by ``train_sft``, ``train_dpo`` and the RL commands when the user gives
+no ``--pretrain``/``--dataset``, so every command runs offline on a laptop CPU
+and shows learning, not just a falling loss. A sample is
+
+    {"prompt": "12+35=", "response": "47"}
+
+with both operands in 0..99 (10,000 problems). Addition was chosen over string
+transforms because one task with ~28 tokens per sample (chat template
+included) is learnt quickly: a 3-layer, width-128 Llama goes from 0% to
+high held-out exact match in about 90 seconds on 2 CPU cores (the numbers are in
+``tests/unit/test_demo_task.py``'s docstring). The answer is written most
+significant digit first, as a user would read it, at the cost of making the
+model learn the carry before the digit it affects.
+
+The split is by a hash of the prompt, not by position: about 1 problem in 10
+is ``test``, never ``train``, for every ``n`` and ``seed``, so held-out
+accuracy measures generalisation rather than recall.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import zlib
+
+MAX_OPERAND = 99
+TEST_FRACTION_DENOMINATOR = 10  # crc32(prompt) % 10 == 0 -> test
+SPLITS = ("train", "test")
+
+
+def _prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def _split_of(a: int, b: int) -> str:
+    # crc32 rather than hash(): stable across processes and PYTHONHASHSEED.
+    return "test" if zlib.crc32(_prompt(a, b).encode()) % TEST_FRACTION_DENOMINATOR == 0 else "train"
+
+
+def _problems(split: str) -> list[tuple[int, int]]:
+    if split not in SPLITS:
+        raise ValueError(f"demo split must be one of {SPLITS}, got {split!r}")
+    operands = range(MAX_OPERAND + 1)
+    return [(a, b) for a in operands for b in operands if _split_of(a, b) == split]
+
+
+def demo_samples(split: str, n: int, seed: int = 0) -> list[dict]:
+    """``n`` samples ``{"prompt": "a+b=", "response": str(a + b)}`` from ``split``.
+
+    Deterministic for ``(split, n, seed)``. Problems are drawn without
+    replacement in a seeded order; past the split's size (~9,000 train,
+    ~1,000 test) the order is reshuffled and repeats, like another epoch.
+    """
+    if n < 0:
+        raise ValueError(f"demo_samples: n must be >= 0, got {n}")
+    pool = _problems(split)
+    rng = random.Random(f"demo:{split}:{seed}")  # str seeds hash with sha512: stable everywhere
+    order: list[tuple[int, int]] = []
+    while len(order) < n:
+        epoch = list(pool)
+        rng.shuffle(epoch)
+        order.extend(epoch)
+    return [{"prompt": _prompt(a, b), "response": str(a + b)} for a, b in order[:n]]
+
+
+def _wrong_answers(a: int, b: int) -> list[str]:
+    """Plausible mistakes for ``a+b``, each different from the right answer."""
+    right = a + b
+    no_carry = (a // 10 + b // 10) * 10 + (a % 10 + b % 10) % 10  # 47+38 -> 75
+    swapped = str(right)[::-1]
+    candidates = [str(right + 1), str(right - 1) if right > 0 else None, str(no_carry)]
+    if len(swapped) > 1 and not swapped.startswith("0"):
+        candidates.append(swapped)  # 47+38=85 -> 58
+    distinct = dict.fromkeys(c for c in candidates if c is not None and c != str(right))
+    return list(distinct)
+
+
+def demo_preference_pairs(split: str, n: int, seed: int = 0) -> list[dict]:
+    """``n`` pairs ``{"prompt", "chosen", "rejected"}`` on the problems of ``demo_samples``.
+
+    ``chosen`` is the right sum; ``rejected`` is one plausible mistake picked
+    with the seed: off by one, the digits swapped, or the carry dropped
+    (``47+38=`` -> ``86``, ``84``, ``58`` or ``75``). ``rejected != chosen``
+    always, so a DPO loss has a signal on every pair.
+    """
+    rng = random.Random(f"demo-pairs:{split}:{seed}")
+    pairs = []
+    for sample in demo_samples(split, n, seed):
+        a, b = (int(x) for x in sample["prompt"].rstrip("=").split("+"))
+        rejected = rng.choice(_wrong_answers(a, b))
+        pairs.append({"prompt": sample["prompt"], "chosen": sample["response"], "rejected": rejected})
+    return pairs
+
+
+def exact_match(predictions: list[str], references: list[str]) -> float:
+    """Fraction of predictions equal to their reference, ignoring surrounding whitespace."""
+    if len(predictions) != len(references):
+        raise ValueError(f"exact_match: {len(predictions)} predictions but {len(references)} references")
+    if not references:
+        raise ValueError("exact_match: no references to score")
+    hits = sum(p.strip() == r.strip() for p, r in zip(predictions, references))
+    return hits / len(references)
+
+
+def write_jsonl(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write one JSON object per line; a reader never sees a half-written file (temp file, then rename)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".jsonl")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
