@@ -17,6 +17,7 @@ loads back into equal instances.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import difflib
 import functools
@@ -24,7 +25,7 @@ import os
 import re
 import tempfile
 import types
-from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -47,14 +48,8 @@ def arg(default: Any, help: str, choices: list | tuple | None = None) -> Any:
     return dataclasses.field(default=default, metadata=metadata)
 
 
-class _Spec(NamedTuple):
-    name: str
-    scalar: type  # int | float | str | bool
-    is_list: bool
-    optional: bool
-    default: Any
-    help: str
-    choices: tuple | None
+# scalar is int, float, str or bool; is_list for list[scalar]; optional for `X | None`
+_Spec = collections.namedtuple("_Spec", "name scalar is_list optional default help choices")
 
 
 def _spec(cls: type, f: dataclasses.Field, hint: Any) -> _Spec:
@@ -68,11 +63,8 @@ def _spec(cls: type, f: dataclasses.Field, hint: Any) -> _Spec:
     scalar = get_args(hint)[0] if is_list and get_args(hint) else hint
     if scalar not in (int, float, str, bool) or (is_list and scalar is bool):
         raise TypeError(f"{where}: unsupported type; use int, float, str, bool, X | None or list[int|float|str]")
-    if f.default is not dataclasses.MISSING:
-        default = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        default = f.default_factory()
-    else:
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if default is dataclasses.MISSING:
         raise TypeError(f"{where} needs a default; declare it with arg(default, help)")
     return _Spec(f.name, scalar, is_list, optional, default, f.metadata.get("help", ""), f.metadata.get("choices"))
 
@@ -98,13 +90,13 @@ def _check(value: Any, spec: _Spec, where: str) -> Any:
     if value is None and spec.optional:
         return None
     if spec.is_list != isinstance(value, list):
-        kind = f"a list of {spec.scalar.__name__}" if spec.is_list else f"a single {spec.scalar.__name__}"
-        raise ConfigError(f"{where}: expected {kind}, got {value!r}")
+        kind = "a list of {0}; write [x, y]" if spec.is_list else "a single {0}, not a list"
+        raise ConfigError(f"{where}: expected {kind.format(spec.scalar.__name__)}, got {value!r}")
     for item in value if spec.is_list else [value]:
         ok = isinstance(item, spec.scalar) and (spec.scalar is bool or not isinstance(item, bool))
         ok = ok or (spec.scalar is float and isinstance(item, int) and not isinstance(item, bool))
         if not ok:
-            fix = (f"quote it: \"{item}\"" if spec.scalar is str else f"write an unquoted {spec.scalar.__name__}"
+            fix = ("put the value in quotes" if spec.scalar is str else f"write an unquoted {spec.scalar.__name__}"
                    + (f", e.g. the default {spec.default}" if spec.default is not None else ""))
             raise ConfigError(f"{where}: expected {spec.scalar.__name__}, got {item!r} "
                               f"({type(item).__name__}); {fix}")
@@ -154,8 +146,9 @@ def build_parser(prog: str, description: str, *config_classes: type,
         group = parser.add_argument_group(cls.__name__, doc.strip().split("\n")[0] or None)
         for name in (f.name for f in dataclasses.fields(cls) if f.init):
             s = specs[name]
+            shown = " ".join(map(str, s.default)) if isinstance(s.default, list) else s.default  # as typed
             kw: dict[str, Any] = {"dest": name, "default": _UNSET,
-                                  "help": f"{s.help} (default: {s.default})".replace("%", "%%")}
+                                  "help": f"{s.help} (default: {shown})".replace("%", "%%")}
             if s.scalar is bool and not s.is_list:
                 kw["action"] = _BoolFlag
             else:
@@ -179,14 +172,8 @@ def build_parser(prog: str, description: str, *config_classes: type,
 # PyYAML follows YAML 1.1, which reads `lr: 1e-5` (no dot) as the string "1e-5"
 # (yaml/pyyaml#173). Read it as a float, as YAML 1.2 does; the dumper shares the
 # rule, so a str that looks like one is quoted on save and still round-trips.
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-class _Dumper(yaml.SafeDumper):
-    pass
-
-
+_Loader = type("_Loader", (yaml.SafeLoader,), {})
+_Dumper = type("_Dumper", (yaml.SafeDumper,), {})
 for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float",
                                re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),

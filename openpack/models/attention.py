@@ -52,13 +52,17 @@ def set_attention_backend(name: str) -> None:
     _requested = name
 
 
-def resolve_backend(device: torch.device) -> str:
-    """The backend a packed forward on ``device`` uses now."""
+def resolve_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The backend a packed forward on ``device`` in ``dtype`` uses now.
+
+    The fused varlen kernels run in fp16/bf16 only, so "auto" keeps fp32 on SDPA.
+    """
     if _requested != "auto":
         return _requested
-    if device.type == "cuda" and _flash_attn_installed():
+    fused = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    if fused and _flash_attn_installed():
         return "flash_attn"
-    if device.type == "cuda" and _torch_varlen_available():
+    if fused and _torch_varlen_available():
         return "torch_varlen"
     return "sdpa"
 
@@ -85,10 +89,10 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         raise ValueError(f"packed rows have batch size 1, got query of shape {tuple(query.shape)}")
     if kwargs.get("softcap") is not None:
         raise ValueError("openpack_varlen attention does not support attention logit softcapping")
-    backend = resolve_backend(query.device)
+    backend = resolve_backend(query.device, query.dtype)
     if backend not in _logged:
         _logged.add(backend)
-        logger.info("packed attention backend: %s (device %s)", backend, query.device)
+        logger.info("packed attention backend: %s (%s, %s)", backend, query.device, query.dtype)
     window = kwargs.get("sliding_window")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     out = _KERNELS[backend](

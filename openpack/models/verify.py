@@ -7,6 +7,7 @@ backends are checked on a GPU).
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 
 import torch
@@ -49,21 +50,42 @@ def reference_token_logprobs(model, segments: list[Segment]) -> torch.Tensor:
     return torch.where(labels >= 0, picked, torch.zeros_like(picked))
 
 
-def packed_vs_unpacked(model, lengths, seed: int = 0) -> dict:
-    """Max absolute differences of log-probs and of the gradients of their sum."""
-    segments = random_segments(lengths, model.config.vocab_size, seed)
+def _logprobs_and_grads(model, segments, packed: bool):
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
-    packed = packed_token_logprobs(model, collate_packed(segments).to(device))
-    g_packed = torch.autograd.grad(packed.sum(), params)
-    reference = reference_token_logprobs(model, segments)
-    g_ref = torch.autograd.grad(reference.sum(), params)
-    grad_error = max(((a.float() - b.float()).abs().max().item() for a, b in zip(g_packed, g_ref)), default=0.0)
-    grad_scale = max((b.float().abs().max().item() for b in g_ref), default=0.0)
-    return {
-        "logprob_max_abs_error": (packed - reference).abs().max().item(),
-        "grad_max_abs_error": grad_error,
-        "grad_max_abs": grad_scale,
+    if packed:
+        logprobs = packed_token_logprobs(model, collate_packed(segments).to(device))
+    else:
+        logprobs = reference_token_logprobs(model, segments)
+    return logprobs.float(), [g.float() for g in torch.autograd.grad(logprobs.sum(), params)]
+
+
+def _max_error(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def packed_vs_unpacked(model, lengths, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """Errors of log-probs and of the gradients of their sum against an fp32 unpacked reference.
+
+    ``model`` is fp32; the packed forward runs in ``dtype``. In a lower precision
+    the unpacked forward in that dtype is measured too, as the error budget
+    the precision itself costs (0 in fp32, where it is the reference).
+    """
+    segments = random_segments(lengths, model.config.vocab_size, seed)
+    ref_logprobs, ref_grads = _logprobs_and_grads(model, segments, packed=False)
+    low = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+    packed_logprobs, packed_grads = _logprobs_and_grads(low, segments, packed=True)
+    result = {
         "tokens": sum(lengths),
         "segments": len(lengths),
+        "packed_logprob_error": (packed_logprobs - ref_logprobs).abs().max().item(),
+        "packed_grad_error": _max_error(packed_grads, ref_grads),
+        "grad_scale": max(g.abs().max().item() for g in ref_grads),
+        "unpacked_logprob_error": 0.0,
+        "unpacked_grad_error": 0.0,
     }
+    if dtype != torch.float32:
+        low_logprobs, low_grads = _logprobs_and_grads(low, segments, packed=False)
+        result["unpacked_logprob_error"] = (low_logprobs - ref_logprobs).abs().max().item()
+        result["unpacked_grad_error"] = _max_error(low_grads, ref_grads)
+    return result

@@ -1,0 +1,47 @@
+"""``openpack <command> [flags]``: dispatch to one module per command.
+
+Commands are imported only when run, so ``openpack --help`` stays fast and a
+command's heavy imports (DeepSpeed, Ray) never slow down another's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from openpack import __version__
+
+# name -> (module, one-line summary); every module has main(argv) -> int
+COMMANDS = {
+    "check_packing": (
+        "openpack.cli.check_packing",
+        "check that packed forwards equal unpacked ones on this machine's attention backend",
+    ),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: openpack <command> [flags]   (openpack <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] == "--version":
+        print(f"openpack {__version__}")
+        return 0
+    command = argv[0]
+    if command not in COMMANDS:
+        print(f"openpack: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

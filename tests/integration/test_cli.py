@@ -1,0 +1,39 @@
+"""The console entry point: command listing, dispatch, errors, and check_packing end to end."""
+
+import subprocess
+import sys
+
+from openpack.cli import check_packing
+from openpack.cli.main import COMMANDS, main
+
+
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS)
+
+
+def test_unknown_command_exits_2(capsys):
+    assert main(["train_everything"]) == 2
+    assert "unknown command 'train_everything'" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "check_packing" in result.stdout
+
+
+def test_check_packing_passes_on_cpu(capsys):
+    assert check_packing.main(["--archs", "llama", "mistral", "--lengths", "3", "17", "1", "9"]) == 0
+    assert "exact across 2 architectures" in capsys.readouterr().out
+
+
+def test_check_packing_fails_when_the_tolerance_is_impossible(capsys):
+    """The verdict can fail: a negative tolerance is below any measured error."""
+    assert check_packing.main(["--archs", "qwen2", "--tolerance", "-1"]) == 1
+    assert "NOT exact for qwen2" in capsys.readouterr().out
+
+
+def test_check_packing_rejects_an_unknown_arch(capsys):
+    assert check_packing.main(["--archs", "gpt9"]) == 2
+    assert "--archs: unknown ['gpt9']" in capsys.readouterr().err
