@@ -75,6 +75,15 @@ def mix_description() -> str:
     )
 
 
+def describe_groups(lengths: PairLengths) -> str:
+    """Group sizes: a gap in a pack smaller than the smallest group can never be filled."""
+    parts = []
+    for name, sizes in (("SFT row", lengths.sft_rows()), ("DPO pair", lengths.dpo_rows().sum(axis=1))):
+        parts.append(f"{name} min {int(sizes.min())}, median {int(np.median(sizes))}, "
+                     f"mean {sizes.mean():.0f}, {int((sizes < 200).sum())} under 200")
+    return "group tokens: " + "; ".join(parts)
+
+
 def _lognormal_tokens(rng, base: int, median: int, sigma: float, n: int) -> np.ndarray:
     draws = base + np.rint(rng.lognormal(np.log(median), sigma, n))
     return np.minimum(draws, SEGMENT_CAP).astype(np.int64)
@@ -112,7 +121,10 @@ def trl_bfd(rows: np.ndarray, cap: int) -> tuple[np.ndarray, float]:
     from trl import pack_dataset
 
     disable_progress_bars()
-    offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(rows)])
+    if offsets[-1] >= 2**31:  # pa.ListArray has int32 offsets
+        raise ValueError(f"{offsets[-1]} tokens overflow an Arrow list; use fewer --pairs")
+    offsets = offsets.astype(np.int32)
     ones = pa.array(np.ones(int(offsets[-1]), dtype=np.int64))  # dummy token ids
     dataset = Dataset.from_dict({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), ones)})
     start = time.perf_counter()
@@ -180,16 +192,18 @@ def compare_to_trl(results: list[Result], caps: list[int]) -> bool:
     return ok
 
 
-def print_waste(results: list[Result]) -> None:
-    """Where the empty slots of each packing are: the emptiest pack vs the rest."""
+def print_waste(results: list[Result], tail_fill: float = 0.9) -> None:
+    """Where each packing's empty slots are: tail packs under ``tail_fill`` full vs the rest."""
     for r in results:
         if r.pack_tokens is None:
             continue
-        free = np.sort(r.cap - r.pack_tokens)
+        free = r.cap - r.pack_tokens
+        tail = r.pack_tokens < tail_fill * r.cap
         lower_bound = -(-int(r.pack_tokens.sum()) // r.cap)  # ceil(real / cap) packs
-        print(f"{r.method}, {r.data}, cap {r.cap}: {r.rows} packs (lower bound {lower_bound}); "
-              f"{int(free.sum())} free slots: emptiest pack {int(free[-1])}, "
-              f"the other {r.rows - 1} packs {free[:-1].mean():.0f} each on average")
+        print(f"{r.method}, {r.data}, cap {r.cap}: {r.rows} packs (lower bound {lower_bound}), "
+              f"{int(free.sum())} free slots; packs under {tail_fill:.0%} full: {int(tail.sum())}, "
+              f"holding {int(free[tail].sum())}; the other {int((~tail).sum())} packs: "
+              f"{free[~tail].mean():.1f} each on average")
 
 
 def check_padding_anchor(results: list[Result]) -> None:
@@ -213,6 +227,7 @@ def main(argv=None) -> int:
     caps = [int(c) for c in args.caps.split(",")]
     lengths = generate_lengths(args.pairs, args.seed)
     print(f"data: {args.pairs} pairs, seed {args.seed}; {mix_description()}")
+    print(describe_groups(lengths))
     print(f"real tokens: SFT {int(lengths.sft_rows().sum())}, DPO pairs {int(lengths.dpo_rows().sum())}")
     results = sft_results(lengths, caps) + dpo_results(lengths, caps)
     table = markdown_table(results)

@@ -21,7 +21,7 @@ import torch
 from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.models.attention import BACKENDS, resolve_backend, set_attention_backend
 from openpack.models.tiny import TINY_ARCHS, tiny_causal_lm
-from openpack.models.verify import packed_vs_unpacked
+from openpack.models.verify import packed_vs_unpacked, within_error_budget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,9 +48,7 @@ def check_arch(arch: str, cfg: CheckPackingConfig, device: torch.device) -> dict
     model = tiny_causal_lm(arch, seed=cfg.seed).to(device)
     result = {"arch": arch, "device": str(device), "dtype": cfg.dtype, "backend": resolve_backend(device, DTYPES[cfg.dtype])}
     result.update(packed_vs_unpacked(model, cfg.lengths, seed=cfg.seed, dtype=DTYPES[cfg.dtype]))
-    logprob_ok = result["packed_logprob_error"] <= cfg.tolerance + 2 * result["unpacked_logprob_error"]
-    grad_budget = cfg.tolerance * max(1.0, result["grad_scale"]) + 2 * result["unpacked_grad_error"]
-    result["passed"] = bool(logprob_ok and result["packed_grad_error"] <= grad_budget)
+    result["passed"] = within_error_budget(result, cfg.tolerance)
     return result
 
 

@@ -89,3 +89,14 @@ def packed_vs_unpacked(model, lengths, seed: int = 0, dtype: torch.dtype = torch
         result["unpacked_logprob_error"] = (low_logprobs - ref_logprobs).abs().max().item()
         result["unpacked_grad_error"] = _max_error(low_grads, ref_grads)
     return result
+
+
+def within_error_budget(result: dict, tolerance: float = 1e-5) -> bool:
+    """Packing adds no error beyond ``tolerance`` plus twice what the dtype itself costs.
+
+    In fp32 the dtype costs nothing, so this is ``error <= tolerance`` (gradients
+    relative to their largest magnitude when that exceeds 1).
+    """
+    logprob_budget = tolerance + 2 * result["unpacked_logprob_error"]
+    grad_budget = tolerance * max(1.0, result["grad_scale"]) + 2 * result["unpacked_grad_error"]
+    return result["packed_logprob_error"] <= logprob_budget and result["packed_grad_error"] <= grad_budget
