@@ -44,6 +44,9 @@ class CheckPackingConfig:
             raise ConfigError("--lengths: every segment needs at least 1 token")
 
 
+CONFIGS = (CheckPackingConfig,)  # what the command parses; tests check example scripts against it
+
+
 def check_arch(arch: str, cfg: CheckPackingConfig, device: torch.device) -> dict:
     model = tiny_causal_lm(arch, seed=cfg.seed).to(device)
     result = {"arch": arch, "device": str(device), "dtype": cfg.dtype, "backend": resolve_backend(device, DTYPES[cfg.dtype])}
@@ -54,7 +57,7 @@ def check_arch(arch: str, cfg: CheckPackingConfig, device: torch.device) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        (cfg,) = parse_config(argv, "openpack check_packing", __doc__.split("\n\n")[0], CheckPackingConfig)
+        (cfg,) = parse_config(argv, "openpack check_packing", __doc__.split("\n\n")[0], *CONFIGS)
     except ConfigError as err:
         print(f"openpack check_packing: {err}", file=sys.stderr)
         return 2

@@ -37,3 +37,29 @@ def test_check_packing_fails_when_the_tolerance_is_impossible(capsys):
 def test_check_packing_rejects_an_unknown_arch(capsys):
     assert check_packing.main(["--archs", "gpt9"]) == 2
     assert "--archs: unknown ['gpt9']" in capsys.readouterr().err
+
+
+def example_commands():
+    """Every `openpack <command> ...` line in examples/ (shell scripts), as argv lists."""
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "examples"
+    for script in sorted(root.glob("*.sh")):
+        for line in script.read_text().splitlines():
+            line = line.strip()
+            if line.startswith("openpack "):
+                yield script.name, shlex.split(line)[1:]
+
+
+def test_example_scripts_use_real_flags():
+    import importlib
+
+    from openpack.cli.config import parse_config
+
+    commands = list(example_commands())
+    assert commands, "no openpack command found in examples/"
+    for script, (command, *flags) in commands:
+        assert command in COMMANDS, f"{script}: unknown command {command}"
+        module = importlib.import_module(COMMANDS[command][0])
+        parse_config(flags, f"openpack {command}", "", *module.CONFIGS)  # exits 2 on a bad flag
