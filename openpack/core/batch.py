@@ -99,6 +99,12 @@ class PackedBatch:
         }
 
 
+def shifted_labels(segment: Segment) -> list[int]:
+    """Label of each position: the next token if it is a target, else IGNORE_INDEX; the last predicts nothing."""
+    pairs = zip(list(segment.tokens)[1:], list(segment.targets)[1:])
+    return [tok if is_target else IGNORE_INDEX for tok, is_target in pairs] + [IGNORE_INDEX]
+
+
 def collate_packed(segments: Sequence[Segment]) -> PackedBatch:
     """Flatten segments into one PackedBatch, shifting labels inside each segment."""
     if not segments:
@@ -106,11 +112,8 @@ def collate_packed(segments: Sequence[Segment]) -> PackedBatch:
     lengths = [len(s.tokens) for s in segments]
     input_ids, labels = [], []
     for seg in segments:
-        tokens = list(seg.tokens)
-        input_ids.extend(tokens)
-        nxt = zip(tokens[1:], list(seg.targets)[1:])
-        labels.extend([tok if is_target else IGNORE_INDEX for tok, is_target in nxt])
-        labels.append(IGNORE_INDEX)  # the last token predicts nothing
+        input_ids.extend(seg.tokens)
+        labels.extend(shifted_labels(seg))
     lengths_t = torch.tensor(lengths, dtype=torch.int64)
     cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(lengths_t, 0)
@@ -125,6 +128,62 @@ def collate_packed(segments: Sequence[Segment]) -> PackedBatch:
         segment_ids=segment_ids,
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
+        sample_index=torch.tensor([s.sample_index for s in segments], dtype=torch.int64),
+        role=torch.tensor([s.role for s in segments], dtype=torch.int64),
+    )
+
+
+@dataclass
+class PaddedBatch:
+    """The unpacked layout: one segment per row, right-padded to the longest; shapes [B, L].
+
+    Kept as the baseline that packing must equal (``--packing_samples`` off).
+    ``segment_ids`` [B * L] and ``num_segments`` mirror PackedBatch so results
+    are read back the same way.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    sample_index: torch.Tensor
+    role: torch.Tensor
+
+    @property
+    def num_segments(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def segment_ids(self) -> torch.Tensor:
+        rows, length = self.input_ids.shape
+        return torch.arange(rows, device=self.input_ids.device).repeat_interleave(length)
+
+    def to(self, device) -> "PaddedBatch":
+        return PaddedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def collate_padded(segments: Sequence[Segment], pad_token_id: int = 0) -> PaddedBatch:
+    """Right-pad segments into rows of the longest segment's length."""
+    if not segments:
+        raise ValueError("cannot collate zero segments")
+    width = max(len(s.tokens) for s in segments)
+    ids = torch.full((len(segments), width), pad_token_id, dtype=torch.int64)
+    labels = torch.full((len(segments), width), IGNORE_INDEX, dtype=torch.int64)
+    attention = torch.zeros((len(segments), width), dtype=torch.int64)
+    for row, seg in enumerate(segments):
+        n = len(seg.tokens)
+        ids[row, :n] = torch.tensor(list(seg.tokens))
+        labels[row, :n] = torch.tensor(shifted_labels(seg))
+        attention[row, :n] = 1
+    return PaddedBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        labels=labels,
+        loss_mask=labels != IGNORE_INDEX,
         sample_index=torch.tensor([s.sample_index for s in segments], dtype=torch.int64),
         role=torch.tensor([s.role for s in segments], dtype=torch.int64),
     )

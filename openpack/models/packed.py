@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from openpack.core.batch import PackedBatch
+from openpack.core.batch import PackedBatch, PaddedBatch
 from openpack.core.logprobs import token_logprobs
 from openpack.models.attention import ATTN_IMPLEMENTATION, PackedCacheError
 
@@ -41,13 +41,44 @@ def packed_forward(model, batch: PackedBatch, use_cache: bool = False) -> torch.
     return output.last_hidden_state[0]
 
 
-def packed_token_logprobs(model, batch: PackedBatch, chunk_tokens: int | None = None) -> torch.Tensor:
-    """log p(label_t) for every position of the row: [T] fp32, 0.0 where there is no label."""
+def lm_head_weight(model) -> torch.nn.Parameter:
+    """The [V, H] output projection, after checking logits are exactly hidden @ weight.T."""
     for name in _UNSUPPORTED_LOGIT_TRANSFORMS:
         if getattr(model.config, name, None) not in (None, 1, 1.0):
             raise ValueError(f"{type(model).__name__} sets config.{name}; openpack's chunked LM head does not apply it")
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{type(model).__name__} has an LM head bias; openpack's chunked LM head does not apply it")
-    hidden = packed_forward(model, batch)
-    return token_logprobs(hidden, head.weight, batch.labels[0], chunk_tokens)
+    return head.weight
+
+
+def packed_token_logprobs(model, batch: PackedBatch, chunk_tokens: int | None = None) -> torch.Tensor:
+    """log p(label_t) for every position of the row: [T] fp32, 0.0 where there is no label."""
+    weight = lm_head_weight(model)
+    return token_logprobs(packed_forward(model, batch), weight, batch.labels[0], chunk_tokens)
+
+
+def padded_token_logprobs(model, batch: PaddedBatch, chunk_tokens: int | None = None) -> torch.Tensor:
+    """The unpacked baseline: [B * L] fp32 log-probs of right-padded rows (plain SDPA with a padding mask)."""
+    weight = lm_head_weight(model)
+    output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    return token_logprobs(output.last_hidden_state, weight, batch.labels.reshape(-1), chunk_tokens)
+
+
+class PackedCausalLM(torch.nn.Module):
+    """A causal LM whose forward maps a PackedBatch or PaddedBatch to per-token log-probs.
+
+    This is the module DeepSpeed wraps: ``engine(batch)`` returns log-probs
+    laid out like ``batch.labels`` flattened, whichever layout the batch has,
+    so a trainer never branches on packing.
+    """
+
+    def __init__(self, model, chunk_tokens: int | None = None):
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+        if isinstance(batch, PackedBatch):
+            return packed_token_logprobs(self.model, batch, self.chunk_tokens)
+        return padded_token_logprobs(self.model, batch, self.chunk_tokens)

@@ -1,0 +1,1 @@
+"""Process groups, the DeepSpeed engine and checkpoints: everything that knows about ranks."""

@@ -1,0 +1,79 @@
+"""Join (or form) the process group every worker trains in.
+
+Ranks come from the environment that torchrun, the deepspeed launcher or a
+Ray actor sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); with
+none set, this is a one-process group on a free local port. NCCL on CUDA,
+gloo on CPU, where DeepSpeed also needs ``DS_ACCELERATOR=cpu`` set before it
+is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> DistInfo:
+    """Initialise torch.distributed through DeepSpeed (idempotent) and return this process's place."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import deepspeed
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    _share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size())))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+def _share_cpu_threads(local_world_size: int) -> None:
+    """Give each rank on a node its share of the cores, unless OMP_NUM_THREADS says otherwise.
+
+    Two CPU ranks with a full thread pool each on 2 cores made every tiny op
+    ~100x slower here (OpenMP threads spinning against each other).
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum floats over ranks (fp64, so step losses add up exactly enough to compare runs)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()

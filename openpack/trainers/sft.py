@@ -1,0 +1,121 @@
+"""The SFT step loop: exact token-mean loss over the whole step, whatever the batching.
+
+For a step with N loss tokens over all micro-batches and ranks, every
+micro-batch contributes ``-sum(log p) / N``. DeepSpeed averages gradients
+over the W data-parallel ranks, so each rank hands ``backward`` its share
+times W. The gradient is then that of the mean over the step's tokens, for
+any number or size of micro-batches and any world size (the invariance tests
+check packed == padded, 1x8 == 8x1 and 1 == 2 ranks). Weighting micro-batches
+equally instead is the bug of verl #5625.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from openpack.core.schedule import epoch_steps
+from openpack.distributed.process import DistInfo, all_reduce_sum
+from openpack.trainers.batching import MicroBatcher
+
+
+@dataclass
+class LoopConfig:
+    train_batch_size: int
+    max_epochs: int
+    max_steps: int | None
+    seed: int
+    logging_steps: int
+    save_steps: int | None  # None: only at the end
+
+
+@dataclass
+class Position:
+    """Where training stands; saved in checkpoints so a resumed run continues exactly here."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+
+
+def steps_per_epoch(num_samples: int, train_batch_size: int) -> int:
+    return num_samples // train_batch_size
+
+
+def total_steps(num_samples: int, loop: LoopConfig) -> int:
+    full = steps_per_epoch(num_samples, loop.train_batch_size) * loop.max_epochs
+    return min(full, loop.max_steps) if loop.max_steps else full
+
+
+def loss_tokens(batcher: MicroBatcher, sample_ids) -> int:
+    """Label tokens of these samples: targets after each segment's first token."""
+    return sum(sum(seg.targets[1:]) for i in sample_ids for seg in batcher.segments(i))
+
+
+def train_step(engine, batcher: MicroBatcher, sample_ids: list[int], dist: DistInfo) -> dict:
+    """Forward/backward over this rank's micro-batches of one step, then one optimizer step."""
+    start = time.perf_counter()
+    plan = batcher.plan(sample_ids)
+    denominator = loss_tokens(batcher, sample_ids)
+    micro_batches = batcher.micro_batches(plan, dist.rank)
+    nll_sum = 0.0
+    for index, batch in enumerate(micro_batches):
+        engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
+        batch = batch.to(dist.device)
+        logprobs = engine(batch)
+        nll = -(logprobs * batch.loss_mask.reshape(-1)).sum()
+        engine.backward(nll * dist.world_size / denominator)
+        engine.step()
+        nll_sum += nll.item()
+    (global_nll,) = all_reduce_sum([nll_sum], dist.device)
+    elapsed = time.perf_counter() - start
+    real_tokens = plan.real_tokens(batcher.group_lengths)
+    metrics = {
+        "loss": global_nll / denominator,
+        "lr": engine.get_lr()[0],
+        "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+        "tokens": real_tokens,
+        "loss_tokens": denominator,
+        "samples": len(sample_ids),
+        "micro_batches": len(micro_batches),
+        "tokens_per_s": real_tokens / elapsed,
+        "step_time_s": elapsed,
+    }
+    efficiency = plan.packing_efficiency(batcher.group_lengths)
+    if efficiency is not None:
+        metrics["packing_efficiency"] = efficiency
+    return metrics
+
+
+def train(
+    engine,
+    batcher: MicroBatcher,
+    num_samples: int,
+    loop: LoopConfig,
+    dist: DistInfo,
+    tracker,
+    save: Callable[[Position], None],
+    start: Position | None = None,
+) -> Position:
+    """Run steps from ``start`` until max_epochs or max_steps; ``save`` writes a checkpoint at a position."""
+    position = start or Position()
+    last = total_steps(num_samples, loop)
+    engine.train()
+    while position.epoch < loop.max_epochs and position.global_step < last:
+        steps = epoch_steps(num_samples, loop.train_batch_size, loop.seed, position.epoch)
+        while position.step_in_epoch < len(steps) and position.global_step < last:
+            metrics = train_step(engine, batcher, steps[position.step_in_epoch], dist)
+            position.step_in_epoch += 1
+            position.global_step += 1
+            if position.global_step % loop.logging_steps == 0 or position.global_step == last:
+                tracker.log(position.global_step, {"epoch": position.epoch, **metrics})
+            if loop.save_steps and position.global_step % loop.save_steps == 0 and position.global_step < last:
+                save(position)
+        if position.step_in_epoch >= len(steps):
+            position.epoch += 1
+            position.step_in_epoch = 0
+    save(position)
+    return position
