@@ -1,18 +1,21 @@
-"""The built-in demo task: two-number addition with an exactly checkable answer.
+"""The built-in demo task: two-digit addition with an exactly checkable answer.
 
 Used by ``train_sft``, ``train_dpo`` and the RL commands when the user gives
 no ``--pretrain``/``--dataset``, so every command runs offline on a laptop CPU
 and shows learning, not just a falling loss. A sample is
 
-    {"prompt": "12+35=", "response": "47"}
+    {"prompt": "07+35=", "response": "42"}
 
-with both operands in 0..99 (10,000 problems). Addition was chosen over string
-transforms because one task with ~28 tokens per sample (chat template
-included) is learnt quickly: a 3-layer, width-128 Llama goes from 0% to
-high held-out exact match in about 90 seconds on 2 CPU cores (the numbers are in
-``tests/unit/test_demo_task.py``'s docstring). The answer is written most
-significant digit first, as a user would read it, at the cost of making the
-model learn the carry before the digit it affects.
+with both operands in 0..99 (10,000 problems), always written with two digits,
+and the sum written as a reader expects (no padding, most significant digit
+first). The fixed-width operands are the trade-off that makes the task fast
+to learn: every digit sits at the same distance from "=" in every prompt, so
+rotary positions line the columns up. Measured on 2 CPU cores with a 3-layer,
+width-128 Llama (0.46M parameters), chat template, batch 64, AdamW at 3e-3:
+greedy held-out exact match goes 0% -> 85% in 300 steps (~35 s) and 0% ->
+99.6% in 90 s (799 steps); unpadded operands ("7+35=") reach only 74% after
+600 steps. Reversing the answer's digits or padding it to three ("042")
+learns faster still (98-99% at 300 steps) but reads oddly.
 
 The split is by a hash of the prompt, not by position: about 1 problem in 10
 is ``test``, never ``train``, for every ``n`` and ``seed``, so held-out
@@ -33,7 +36,7 @@ SPLITS = ("train", "test")
 
 
 def _prompt(a: int, b: int) -> str:
-    return f"{a}+{b}="
+    return f"{a:02d}+{b:02d}="
 
 
 def _split_of(a: int, b: int) -> str:
@@ -49,7 +52,7 @@ def _problems(split: str) -> list[tuple[int, int]]:
 
 
 def demo_samples(split: str, n: int, seed: int = 0) -> list[dict]:
-    """``n`` samples ``{"prompt": "a+b=", "response": str(a + b)}`` from ``split``.
+    """``n`` samples ``{"prompt": f"{a:02d}+{b:02d}=", "response": str(a + b)}`` from ``split``.
 
     Deterministic for ``(split, n, seed)``. Problems are drawn without
     replacement in a seeded order; past the split's size (~9,000 train,
@@ -113,6 +116,7 @@ def write_jsonl(rows: list[dict], path: str | os.PathLike) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".jsonl")
     try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; give the mode a plain open() would
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
