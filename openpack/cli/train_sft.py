@@ -122,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"openpack train_sft: {err}", file=sys.stderr)
         return 2
     from openpack.data.loading import DataError
+    from openpack.models.loading import ModelLoadError
     from openpack.trainers.sft_worker import run_sft
 
     try:
         return run_sft(*configs, save_config=lambda path: save_config(path, *configs))
-    except DataError as err:
+    except (DataError, ModelLoadError) as err:
         print(f"openpack train_sft: {err}", file=sys.stderr)
         return 2

@@ -37,11 +37,16 @@ class ZeroConfig:
     bf16: bool
     offload_optimizer: bool
     offload_params: bool
+    # ZeRO-3 leaves parameters smaller than this unpartitioned (DeepSpeed's default); tests set 0
+    # so that even a tiny model's LM head is partitioned as a real one would be.
+    param_persistence_threshold: int = 100_000
 
 
 def deepspeed_config(zero: ZeroConfig, max_norm: float, world_size: int) -> dict:
     offload = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     zero_section = {"stage": zero.stage, "overlap_comm": False, "contiguous_gradients": True}
+    if zero.stage == 3:
+        zero_section["stage3_param_persistence_threshold"] = zero.param_persistence_threshold
     if zero.offload_optimizer:
         zero_section["offload_optimizer"] = offload
     if zero.offload_params:
@@ -102,3 +107,18 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
         config=deepspeed_config(zero, optim.max_norm, world_size),
     )
     return engine
+
+
+def optimizer_step(engine) -> float:
+    """``engine.step()`` at a step boundary; returns the global gradient norm before clipping.
+
+    DeepSpeed reports the norm from its ZeRO and bf16 optimizers; without one
+    (ZeRO-0 in fp32) it reports None, so the norm is taken from the
+    already-averaged gradients before they are applied.
+    """
+    own_norm = None
+    if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        own_norm = torch.nn.utils.get_total_norm(grads).item()
+    engine.step()
+    return own_norm if own_norm is not None else float(engine.get_global_grad_norm())

@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from openpack.models.attention import register_packed_attention
 
 
+class ModelLoadError(ValueError):
+    """--pretrain names nothing loadable; the message says what was tried."""
+
+
+def _check_source(pretrain: str) -> None:
+    looks_local = pretrain.startswith((".", "/", "~")) or pretrain.count("/") > 1
+    if looks_local and not Path(pretrain).expanduser().is_dir():
+        raise ModelLoadError(f"--pretrain {pretrain}: no such folder (a local path must be a saved HF model folder)")
+
+
+def _from_pretrained(loader, pretrain: str, what: str, **kwargs):
+    _check_source(pretrain)
+    try:
+        return loader.from_pretrained(pretrain, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"--pretrain {pretrain}: could not load the {what} ({err}); give a local HF model folder, "
+            "or a hub name on a machine with network access"
+        ) from err
+
+
 def load_tokenizer(pretrain: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(pretrain)
+    tokenizer = _from_pretrained(AutoTokenizer, pretrain, "tokenizer")
     if tokenizer.pad_token_id is None:  # padding is only used for the unpacked baseline and generation
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -20,8 +43,9 @@ def load_causal_lm(pretrain: str, bf16: bool = False, gradient_checkpointing: bo
     """``AutoModelForCausalLM.from_pretrained`` with ``attn_implementation="openpack_varlen"``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        pretrain, attn_implementation=register_packed_attention(), dtype=torch.bfloat16 if bf16 else torch.float32
+    model = _from_pretrained(
+        AutoModelForCausalLM, pretrain, "model",
+        attn_implementation=register_packed_attention(), dtype=torch.bfloat16 if bf16 else torch.float32,
     )
     return prepare_for_training(model, gradient_checkpointing)
 

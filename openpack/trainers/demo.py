@@ -19,7 +19,7 @@ from openpack.models.tiny import tiny_causal_lm
 
 DEMO_MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
-TRAIN_SAMPLES = 8000
+TRAIN_SAMPLES = 8960  # 140 steps of 64 per epoch
 EVAL_SAMPLES = 200
 
 

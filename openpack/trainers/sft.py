@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from openpack.core.schedule import epoch_steps
+from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo, all_reduce_sum
 from openpack.trainers.batching import MicroBatcher
 
@@ -61,14 +62,18 @@ def train_step(engine, batcher: MicroBatcher, sample_ids: list[int], dist: DistI
     plan = batcher.plan(sample_ids)
     denominator = loss_tokens(batcher, sample_ids)
     micro_batches = batcher.micro_batches(plan, dist.rank)
-    nll_sum = 0.0
+    nll_sum, grad_norm = 0.0, None
     for index, batch in enumerate(micro_batches):
-        engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
+        last = index == len(micro_batches) - 1
+        engine.set_gradient_accumulation_boundary(last)
         batch = batch.to(dist.device)
         logprobs = engine(batch)
         nll = -(logprobs * batch.loss_mask.reshape(-1)).sum()
         engine.backward(nll * dist.world_size / denominator)
-        engine.step()
+        if last:
+            grad_norm = optimizer_step(engine)
+        else:
+            engine.step()  # not a boundary: DeepSpeed only counts the micro-step
         nll_sum += nll.item()
     (global_nll,) = all_reduce_sum([nll_sum], dist.device)
     elapsed = time.perf_counter() - start
@@ -76,7 +81,7 @@ def train_step(engine, batcher: MicroBatcher, sample_ids: list[int], dist: DistI
     metrics = {
         "loss": global_nll / denominator,
         "lr": engine.get_lr()[0],
-        "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+        "grad_norm": grad_norm,
         "tokens": real_tokens,
         "loss_tokens": denominator,
         "samples": len(sample_ids),

@@ -53,8 +53,9 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None) -> int:
         rows, tokenizer, data_cfg.input_key, data_cfg.output_key, data_cfg.apply_chat_template,
         data_cfg.max_len, data_cfg.overlength_policy, data_cfg.skip_bad_samples,
     )
-    logger.info("data: %d samples (%d truncated, %d dropped over --max_len %d; skipped %s)",
-                len(samples), report.truncated, report.dropped, data_cfg.max_len, dict(report.skipped) or "none")
+    skipped = dict(rows.skipped + report.skipped) or "none"
+    logger.info("data: %d samples (%d truncated, %d dropped over --max_len %d; skipped: %s)",
+                len(samples), report.truncated, report.dropped, data_cfg.max_len, skipped)
 
     batcher = MicroBatcher(
         segments=lambda i: [Segment(samples[i].tokens, samples[i].targets, sample_index=i)],
@@ -89,17 +90,22 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None) -> int:
                       use_tensorboard=out_cfg.use_tensorboard)
     with tracker:
         if is_demo:
-            tracker.message(f"held-out exact match before training: {demo.accuracy(model, tokenizer):.1%}")
+            _report_accuracy(tracker, position.global_step, "before", demo.accuracy(model, tokenizer))
 
         def save(at: Position) -> None:
             save_checkpoint(engine, tokenizer, ckpt_path, at.global_step, asdict(at), out_cfg.max_ckpt_num, dist.is_main)
 
-        train(engine, batcher, len(samples), loop, dist, tracker, save, position)
+        position = train(engine, batcher, len(samples), loop, dist, tracker, save, position)
         save_hf_model(engine, tokenizer, save_path / "model", dist.is_main)
         tracker.message(f"model saved to {save_path / 'model'}")
         if is_demo:
-            tracker.message(f"held-out exact match after training: {demo.accuracy(model, tokenizer):.1%}")
+            _report_accuracy(tracker, position.global_step, "after", demo.accuracy(model, tokenizer))
     return 0
+
+
+def _report_accuracy(tracker, step: int, when: str, accuracy: float) -> None:
+    tracker.message(f"held-out exact match {when} training: {accuracy:.1%}")
+    tracker.log(step, {"eval_exact_match": accuracy})
 
 
 def _optim_config(train_cfg, steps: int) -> OptimConfig:
