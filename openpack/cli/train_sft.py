@@ -107,7 +107,7 @@ DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" /
 
 def with_demo_defaults(argv: list[str]) -> list[str]:
     """No --pretrain, --dataset or --config: the built-in demo, its defaults from a YAML shown to the user."""
-    if any(a.split("=")[0] in ("--pretrain", "--dataset", "--config") for a in argv):
+    if any(a.split("=")[0] in ("--pretrain", "--dataset", "--config", "-h", "--help") for a in argv):
         return argv
     print(f"openpack train_sft: no --pretrain/--dataset, running the built-in demo with defaults from {DEMO_CONFIG}")
     return ["--config", str(DEMO_CONFIG), *argv]
