@@ -87,7 +87,7 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None) -> int:
         save_config(save_path / "config.yaml")
     tracker = Tracker(str(save_path), steps, enabled=dist.is_main, use_wandb=out_cfg.use_wandb,
                       wandb_project=out_cfg.wandb_project, wandb_run_name=out_cfg.wandb_run_name,
-                      use_tensorboard=out_cfg.use_tensorboard)
+                      use_tensorboard=out_cfg.use_tensorboard, resume=position.global_step > 0)
     with tracker:
         if is_demo:
             _report_accuracy(tracker, position.global_step, "before", demo.accuracy(model, tokenizer))

@@ -1,8 +1,8 @@
 """What a user sees and keeps from a training run: a progress bar, metrics.jsonl, loss.png, W&B, TensorBoard.
 
 Rank 0 builds ``Tracker(...)``; other ranks pass ``enabled=False`` and get a
-tracker whose every method does nothing. ``metrics.jsonl`` is appended to and
-flushed after every step, so a crash keeps every logged step (one small write
+tracker whose every method does nothing. ``metrics.jsonl`` is written (appended to when
+resuming) and flushed after every step, so a crash keeps every logged step (one small write
 per step, microseconds against a step of a second or more). On a terminal the
 progress is a live ``rich`` bar; elsewhere (CI, pipes, ``nohup``) it is one
 greppable line per step::
@@ -57,7 +57,8 @@ class Tracker:
     def __init__(self, save_path: str | None, total_steps: int, enabled: bool = True,
                  use_wandb: str | None = None, wandb_project: str = "openpack", wandb_run_name: str | None = None,
                  use_tensorboard: str | None = None, config: dict | None = None,
-                 progress_keys: tuple = ("loss", "tokens_per_s", "packing_efficiency"), console=None):
+                 progress_keys: tuple = ("loss", "tokens_per_s", "packing_efficiency"), console=None,
+                 resume: bool = False):
         self.enabled, self.closed = enabled, False
         if not enabled:
             return
@@ -68,7 +69,11 @@ class Tracker:
         self.metrics_file = None
         if save_path is not None:
             os.makedirs(save_path, exist_ok=True)
-            self.metrics_file = open(os.path.join(save_path, "metrics.jsonl"), "a", encoding="utf-8")
+            path = os.path.join(save_path, "metrics.jsonl")
+            if resume and os.path.exists(path):  # the plot covers the whole run, not just this part
+                self._reload_history(path)
+            # a resumed run continues its file; a fresh run into the same folder starts a new one
+            self.metrics_file = open(path, "a" if resume else "w", encoding="utf-8")
         self.progress = None
         if self.console.is_terminal:
             self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
@@ -134,6 +139,14 @@ class Tracker:
         """Print a line above the progress bar (or plainly when there is none)."""
         if self.enabled:
             self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def _reload_history(self, path: str) -> None:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                for key in self.history:
+                    if key in record:
+                        self.history[key].append((record["step"], record[key]))
 
     def close(self) -> None:
         """Finish the bar, write loss.png, close metrics.jsonl, W&B and TensorBoard. Safe to call twice."""

@@ -115,3 +115,23 @@ def test_checkpoints_are_complete_pruned_and_loadable(tmp_path, tiny_pretrain, s
         AutoTokenizer.from_pretrained(folder)
     assert (run / "config.yaml").exists() and (run / "loss.png").exists()
     assert "packing_samples: true" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("option", [
+    ["--gradient_checkpointing"],
+    ["--adam_offload"],
+    ["--zero_stage", "3", "--param_offload", "--adam_offload"],
+])
+def test_memory_options_do_not_change_the_steps(option, reference_run, tmp_path, tiny_pretrain, sft_jsonl):
+    """Recomputing activations and offloading to CPU trade time for memory, never numbers (fp32)."""
+    run = sft(tmp_path / "option", tiny_pretrain, sft_jsonl, *LAYOUTS["packed_dynamic"], *option)
+    assert_same_run(run, reference_run)
+
+
+def test_bf16_follows_fp32(tmp_path, reference_run, tiny_pretrain, sft_jsonl):
+    """bf16 keeps 8 mantissa bits: per-step losses within 1% of the fp32 run, but not bit-equal."""
+    run = sft(tmp_path / "bf16", tiny_pretrain, sft_jsonl, *LAYOUTS["packed_dynamic"], "--bf16")
+    bf16 = [m["loss"] for m in read_metrics(run)]
+    fp32 = [m["loss"] for m in read_metrics(reference_run)]
+    assert bf16 != fp32
+    assert bf16 == pytest.approx(fp32, rel=0.01)

@@ -85,3 +85,14 @@ def test_tensorboard_writes_an_events_file(tmp_path):
 def test_wandb_offline_run_goes_under_save_path(tmp_path):
     run(Tracker(str(tmp_path), total_steps=3, use_wandb="offline", config={"beta": 0.1}))
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_fresh_run_starts_a_new_metrics_file_and_resume_continues_it(tmp_path):
+    from openpack.trainers.tracking import Tracker
+
+    for steps, resume in (((1, 2), False), ((1,), False), ((2, 3), True)):
+        with Tracker(str(tmp_path), 3, resume=resume) as tracker:
+            for step in steps:
+                tracker.log(step, {"loss": float(step)})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
