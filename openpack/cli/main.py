@@ -14,6 +14,7 @@ from openpack import __version__
 # name -> (module, one-line summary); every module has main(argv) -> int
 COMMANDS = {
     "train_sft": ("openpack.cli.train_sft", "supervised fine-tuning with packed, dynamically batched micro-batches"),
+    "train_dpo": ("openpack.cli.train_dpo", "DPO-family preference training with chosen/rejected pairs bin-packed"),
     "check_packing": (
         "openpack.cli.check_packing",
         "check that packed forwards equal unpacked ones on this machine's attention backend",

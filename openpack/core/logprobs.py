@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openpack.core.batch import IGNORE_INDEX, PackedBatch
+from openpack.core.batch import CHOSEN, IGNORE_INDEX, REJECTED, PackedBatch
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 26  # logits per chunk: 64M floats = 256 MiB in fp32
 
@@ -107,3 +107,23 @@ def segment_logprobs(batch: PackedBatch, per_token: torch.Tensor) -> SegmentLogp
     sums = zeros.index_add(0, segment_ids, per_token * mask)
     counts = torch.zeros_like(zeros, dtype=torch.int64).index_add(0, segment_ids, mask.to(torch.int64))
     return SegmentLogprobs(sum=sums, count=counts)
+
+
+def pair_values(batch, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split per-segment ``values`` [S] of a batch of pairs into (sample ids, chosen, rejected), each [P].
+
+    Found through the segment table (sample index and role), never by
+    position or batch halves (the mix-up of OpenRLHF #294).
+    """
+    sample_index, role = batch.sample_index.to(values.device), batch.role.to(values.device)
+    chosen_ids, chosen = _sorted_by_sample(sample_index, values, role == CHOSEN)
+    rejected_ids, rejected = _sorted_by_sample(sample_index, values, role == REJECTED)
+    if not torch.equal(chosen_ids, rejected_ids):
+        raise ValueError(f"pairs are split across micro-batches: chosen {chosen_ids.tolist()} vs rejected {rejected_ids.tolist()}")
+    return chosen_ids, chosen, rejected
+
+
+def _sorted_by_sample(sample_index, values, mask):
+    ids = sample_index[mask]
+    order = torch.argsort(ids)
+    return ids[order], values[mask][order]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from openpack.data.demo_task import demo_samples, exact_match, write_jsonl
+from openpack.data.demo_task import demo_preference_pairs, demo_samples, exact_match, write_jsonl
 from openpack.data.demo_tokenizer import build_demo_tokenizer
 from openpack.models.loading import load_causal_lm, load_tokenizer, prepare_for_training
 from openpack.models.tiny import tiny_causal_lm
@@ -20,7 +20,8 @@ from openpack.models.tiny import tiny_causal_lm
 DEMO_MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
 TRAIN_SAMPLES = 8960  # 140 steps of 64 per epoch
-EVAL_SAMPLES = 200
+PREFERENCE_SAMPLES = 4096
+EVAL_SAMPLES = 1022  # every held-out problem
 
 
 def tokenizer_and_model(model_cfg, seed: int):
@@ -50,3 +51,35 @@ def accuracy(model, tokenizer, n: int = EVAL_SAMPLES) -> float:
     held_out = demo_samples("test", n)
     predictions = greedy_completions(model, tokenizer, [s["prompt"] for s in held_out], max_new_tokens=4)
     return exact_match([p.strip() for p in predictions], [s["response"] for s in held_out])
+
+
+def write_preference_data(save_path: Path, is_main: bool) -> list[str]:
+    """The demo's training preference pairs as JSONL: chosen correct, rejected a plausible wrong answer."""
+    path = Path(save_path) / "demo_data" / "dpo_train.jsonl"
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(demo_preference_pairs("train", PREFERENCE_SAMPLES), path)
+    return [str(path)]
+
+
+def preference_eval_pairs(tokenizer, n: int = EVAL_SAMPLES):
+    """Held-out preference pairs, tokenized like the training pairs."""
+    from openpack.data.loading import Rows
+    from openpack.data.preference import tokenize_pairs
+
+    rows = demo_preference_pairs("test", n)
+    pairs, _ = tokenize_pairs(Rows(rows, [f"demo test pair {i}" for i in range(n)]), tokenizer)
+    return pairs
+
+
+def preference_accuracy(policy: tuple, ref: tuple | None, beta: float) -> float:
+    """Share of pairs whose implicit reward beta * (policy - reference) prefers chosen; a tie counts half.
+
+    ``policy`` and ``ref`` are (chosen, rejected) log-prob sums [P]. Before
+    training policy == reference, every reward is 0 and the accuracy is 50%.
+    """
+    chosen, rejected = policy
+    if ref is not None:
+        chosen, rejected = chosen - ref[0], rejected - ref[1]
+    margin = beta * (chosen - rejected)
+    return ((margin > 0).float() + 0.5 * (margin == 0).float()).mean().item()

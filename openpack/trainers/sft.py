@@ -96,23 +96,24 @@ def train_step(engine, batcher: MicroBatcher, sample_ids: list[int], dist: DistI
 
 
 def train(
-    engine,
-    batcher: MicroBatcher,
+    step: Callable[[list[int]], dict],
     num_samples: int,
     loop: LoopConfig,
-    dist: DistInfo,
     tracker,
     save: Callable[[Position], None],
     start: Position | None = None,
 ) -> Position:
-    """Run steps from ``start`` until max_epochs or max_steps; ``save`` writes a checkpoint at a position."""
+    """Run ``step(sample_ids) -> metrics`` from ``start`` until max_epochs or max_steps.
+
+    Shared by every trainer: the epoch order, the position a checkpoint
+    resumes from, logging and ``save`` (a checkpoint at a position) live here.
+    """
     position = start or Position()
     last = total_steps(num_samples, loop)
-    engine.train()
     while position.epoch < loop.max_epochs and position.global_step < last:
         steps = epoch_steps(num_samples, loop.train_batch_size, loop.seed, position.epoch)
         while position.step_in_epoch < len(steps) and position.global_step < last:
-            metrics = train_step(engine, batcher, steps[position.step_in_epoch], dist)
+            metrics = step(steps[position.step_in_epoch])
             position.step_in_epoch += 1
             position.global_step += 1
             if position.global_step % loop.logging_steps == 0 or position.global_step == last:

@@ -11,6 +11,7 @@ attribute only (this layer never imports the CLI).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import asdict
@@ -28,7 +29,7 @@ from openpack.models.attention import set_attention_backend
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers import demo
 from openpack.trainers.batching import MicroBatcher
-from openpack.trainers.sft import LoopConfig, Position, total_steps, train
+from openpack.trainers.sft import LoopConfig, Position, total_steps, train, train_step
 from openpack.trainers.tracking import Tracker
 
 logger = logging.getLogger("openpack")
@@ -73,7 +74,7 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None) -> int:
         raise DataError(f"{len(samples)} samples make no full step of --train_batch_size {loop.train_batch_size}; "
                         "lower --train_batch_size or add data")
 
-    engine = create_engine(PackedCausalLM(model), _optim_config(train_cfg, steps), _zero_config(model_cfg),
+    engine = create_engine(PackedCausalLM(model), optim_config(train_cfg, steps), zero_config(model_cfg),
                            dist.world_size)
     ckpt_path = Path(out_cfg.ckpt_path or save_path / "checkpoints")
     position = Position()
@@ -95,7 +96,9 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None) -> int:
         def save(at: Position) -> None:
             save_checkpoint(engine, tokenizer, ckpt_path, at.global_step, asdict(at), out_cfg.max_ckpt_num, dist.is_main)
 
-        position = train(engine, batcher, len(samples), loop, dist, tracker, save, position)
+        engine.train()
+        step = functools.partial(train_step, engine, batcher, dist=dist)
+        position = train(step, len(samples), loop, tracker, save, position)
         save_hf_model(engine, tokenizer, save_path / "model", dist.is_main)
         tracker.message(f"model saved to {save_path / 'model'}")
         if is_demo:
@@ -108,7 +111,7 @@ def _report_accuracy(tracker, step: int, when: str, accuracy: float) -> None:
     tracker.log(step, {"eval_exact_match": accuracy})
 
 
-def _optim_config(train_cfg, steps: int) -> OptimConfig:
+def optim_config(train_cfg, steps: int) -> OptimConfig:
     return OptimConfig(
         learning_rate=train_cfg.learning_rate,
         weight_decay=train_cfg.weight_decay,
@@ -121,5 +124,5 @@ def _optim_config(train_cfg, steps: int) -> OptimConfig:
     )
 
 
-def _zero_config(model_cfg) -> ZeroConfig:
+def zero_config(model_cfg) -> ZeroConfig:
     return ZeroConfig(model_cfg.zero_stage, model_cfg.bf16, model_cfg.adam_offload, model_cfg.param_offload)

@@ -1,0 +1,102 @@
+"""The DPO-family step: pairs packed as two isolated segments, loss averaged over the step's pairs.
+
+A pair (chosen, rejected) is one packing group, so both land in the same
+micro-batch; chosen and rejected are told apart by the segment table. For a
+step of N pairs over all micro-batches and ranks, each micro-batch hands
+``backward`` ``sum(pair losses) / N`` times the world size (undoing
+DeepSpeed's average over ranks). That is the gradient of the mean over the
+step's pairs whatever the packing, micro-batch layout or world size (the
+normalisation TRL applies to one batch, and OpenRLHF per micro-batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from openpack.core.batch import CHOSEN
+from openpack.core.logprobs import pair_values, segment_logprobs
+from openpack.core.losses import LossParams, PairLogps, implicit_rewards, pair_losses
+from openpack.distributed.engine import optimizer_step
+from openpack.distributed.process import DistInfo, all_reduce_sum
+from openpack.trainers.batching import MicroBatcher
+
+STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+         "logps/chosen", "logps/rejected")
+
+
+@dataclass
+class PreferenceObjective:
+    """Which losses, with which weights and parameters; ``reference`` is None for reference-free losses."""
+
+    loss_types: list[str]
+    loss_weights: list[float]
+    params: LossParams
+    reference: object | None  # ModelReference or CachedReference
+
+
+def pair_logps(batch, logprobs: torch.Tensor, reference) -> PairLogps:
+    """Per-pair sums (and token counts) of one micro-batch, policy and reference."""
+    seg = segment_logprobs(batch, logprobs)
+    _, chosen, rejected = pair_values(batch, seg.sum)
+    _, chosen_tokens, rejected_tokens = pair_values(batch, seg.count)
+    ref_chosen = ref_rejected = None
+    if reference is not None:
+        _, ref_chosen, ref_rejected = pair_values(batch, reference.segment_sums(batch).to(logprobs.device))
+    return PairLogps(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens)
+
+
+@torch.no_grad()
+def pair_stats(logps: PairLogps, losses: torch.Tensor, beta: float) -> list[float]:
+    """Sums over the micro-batch's pairs of each STATS entry (means are taken over the whole step)."""
+    reward_chosen, reward_rejected = implicit_rewards(logps, beta)
+    return [
+        losses.sum().item(),
+        reward_chosen.sum().item(),
+        reward_rejected.sum().item(),
+        (reward_chosen - reward_rejected).sum().item(),
+        (reward_chosen > reward_rejected).float().sum().item(),
+        logps.chosen.sum().item(),
+        logps.rejected.sum().item(),
+    ]
+
+
+def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, sample_ids: list[int], dist: DistInfo) -> dict:
+    start = time.perf_counter()
+    plan = batcher.plan(sample_ids)
+    pairs = len(sample_ids)
+    # The sft term is a token mean over the step (as TRL's is over its batch); every rank can count it.
+    chosen_tokens = sum(sum(seg.targets[1:]) for i in sample_ids for seg in batcher.segments(i) if seg.role == CHOSEN)
+    params = dataclasses.replace(objective.params, sft_tokens_per_pair=chosen_tokens / pairs)
+    micro_batches = batcher.micro_batches(plan, dist.rank)
+    sums, grad_norm = [0.0] * len(STATS), None
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        engine.set_gradient_accumulation_boundary(last)
+        batch = batch.to(dist.device)
+        logps = pair_logps(batch, engine(batch), objective.reference)
+        losses = pair_losses(logps, params, objective.loss_types, objective.loss_weights)
+        engine.backward(losses.sum() * dist.world_size / pairs)
+        grad_norm = optimizer_step(engine) if last else engine.step()
+        sums = [a + b for a, b in zip(sums, pair_stats(logps, losses, objective.params.beta))]
+    totals = all_reduce_sum(sums, dist.device)
+    elapsed = time.perf_counter() - start
+    real_tokens = plan.real_tokens(batcher.group_lengths)
+    metrics = {name: total / pairs for name, total in zip(STATS, totals)}
+    metrics.update({
+        "lr": engine.get_lr()[0],
+        "grad_norm": grad_norm,
+        "tokens": real_tokens,
+        "pairs": pairs,
+        "micro_batches": len(micro_batches),
+        "tokens_per_s": real_tokens / elapsed,
+        "pairs_per_s": pairs / elapsed,
+        "step_time_s": elapsed,
+    })
+    efficiency = plan.packing_efficiency(batcher.group_lengths)
+    if efficiency is not None:
+        metrics["packing_efficiency"] = efficiency
+    return metrics
