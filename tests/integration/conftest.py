@@ -56,3 +56,31 @@ def assert_same_run(a, b, atol=1e-5):
     assert wa.keys() == wb.keys()
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory):
+    """Another tiny Llama (other seed): a reference that differs from the policy, as after SFT."""
+    path = tmp_path_factory.mktemp("tiny_ref")
+    tokenizer = build_demo_tokenizer()
+    tiny_causal_lm("llama", seed=4, vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def write_pairs(path, n=48, seed=0):
+    """Pairs "sort: <letters>" -> sorted (chosen) / one letter changed (rejected), 3 to 30 letters."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 30)))
+        good = "".join(sorted(word))
+        bad = good[:-1] + ("z" if good[-1] != "z" else "y")
+        rows.append({"prompt": f"sort: {word}\n", "chosen": good, "rejected": bad})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def dpo_jsonl(tmp_path_factory):
+    return write_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl")
