@@ -24,7 +24,7 @@ COMMANDS = {
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = [f"usage: openpack <command> [flags]   (openpack <command> --help for its flags)", "", "commands:"]
+    lines = ["usage: openpack <command> [flags]   (openpack <command> --help for its flags)", "", "commands:"]
     lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     return "\n".join(lines)
 

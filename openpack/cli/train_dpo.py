@@ -8,6 +8,7 @@ are reported before and after.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from dataclasses import dataclass
@@ -67,8 +68,12 @@ def with_demo_defaults(argv: list[str]) -> list[str]:
 def demo_sft_model() -> Path:
     """The SFT demo model DPO starts from: the `openpack train_sft` demo (about 75 s on 2 CPU cores), cached."""
     from openpack.cli import train_sft
+    from openpack.trainers import demo
 
-    cache = Path(os.environ.get("OPENPACK_CACHE", Path.home() / ".cache" / "openpack")) / "demo_sft"
+    # Named by the SFT demo recipe, so a changed recipe never reuses a model trained by an old one.
+    recipe_text = train_sft.DEMO_CONFIG.read_bytes() + repr((demo.DEMO_MODEL, demo.TRAIN_SAMPLES)).encode()
+    recipe = hashlib.sha256(recipe_text).hexdigest()[:12]
+    cache = Path(os.environ.get("OPENPACK_CACHE", Path.home() / ".cache" / "openpack")) / f"demo_sft-{recipe}"
     if not (cache / "model" / "config.json").exists():
         print(f"openpack train_dpo: training the SFT demo model first (cached in {cache})")
         if train_sft.main(["--save_path", str(cache)]) != 0:

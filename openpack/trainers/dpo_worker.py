@@ -1,9 +1,10 @@
 """What one rank runs for ``openpack train_dpo``, set up in dependency order.
 
-process group -> tokenizer, policy and reference -> pairs -> micro-batcher
--> DeepSpeed engine -> reference scorer (colocated model, or a cache built
-once and the model freed) -> resume -> tracker -> (demo: held-out
-preference accuracy and exact match) -> train -> final model -> (demo again).
+process group -> tokenizer and policy -> pairs -> micro-batcher -> the
+shared run (engine, resume, tracker, checkpoints; ``trainers/run.py``) ->
+reference scorer (colocated model, or a cache built once and the model
+freed) -> (demo: held-out preference accuracy and exact match) -> train ->
+final model -> (demo again).
 """
 
 from __future__ import annotations
@@ -11,97 +12,56 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from openpack.core.losses import LossParams, needs_reference
-from openpack.data.loading import DataError, load_rows
 from openpack.data.preference import tokenize_pairs
-from openpack.distributed.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
-from openpack.distributed.engine import create_engine
-from openpack.distributed.process import barrier, init_distributed
-from openpack.models.attention import set_attention_backend
+from openpack.distributed.process import barrier
 from openpack.models.loading import load_causal_lm, load_tokenizer
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers import demo, reference
 from openpack.trainers.batching import MicroBatcher
 from openpack.trainers.dpo import PreferenceObjective, dpo_step
-from openpack.trainers.sft import LoopConfig, Position, total_steps, train
-from openpack.trainers.sft_worker import optim_config, zero_config
-from openpack.trainers.tracking import Tracker
+from openpack.trainers.run import TrainingRun, load_data_rows, start_worker
 
 logger = logging.getLogger("openpack")
 
 
 def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, save_config=None) -> int:
-    dist = init_distributed()
-    logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING, format="%(message)s")
-    set_attention_backend(model_cfg.attn_backend)
-    torch.manual_seed(train_cfg.seed)
-    save_path = Path(out_cfg.save_path)
+    dist = start_worker(model_cfg, train_cfg.seed)
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
     model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing).to(dist.device)
 
-    datasets = data_cfg.dataset or demo.write_preference_data(save_path, dist.is_main)
+    datasets = data_cfg.dataset or demo.write_preference_data(Path(out_cfg.save_path), dist.is_main)
     barrier()
-    rows = load_rows(datasets, data_cfg.dataset_probs, train_cfg.seed, data_cfg.skip_bad_samples)
-    if data_cfg.max_samples is not None:
-        rows.rows, rows.sources = rows.rows[:data_cfg.max_samples], rows.sources[:data_cfg.max_samples]
+    rows = load_data_rows(datasets, data_cfg, train_cfg.seed)
     pairs, report = tokenize_pairs(rows, tokenizer, data_cfg.prompt_key, data_cfg.chosen_key, data_cfg.rejected_key,
                                    data_cfg.max_len, data_cfg.overlength_policy, data_cfg.skip_bad_samples)
     logger.info("data: %d pairs (%d truncated, %d dropped over --max_len %d; skipped: %s)", len(pairs),
                 report.truncated, report.dropped, data_cfg.max_len, dict(rows.skipped + report.skipped) or "none")
-
     batcher = _batcher(pairs, train_cfg, dist, tokenizer)
-    loop = LoopConfig(train_cfg.train_batch_size, train_cfg.max_epochs, train_cfg.max_steps, train_cfg.seed,
-                      out_cfg.logging_steps, out_cfg.save_steps)
-    steps = total_steps(len(pairs), loop)
-    if steps == 0:
-        raise DataError(f"{len(pairs)} pairs make no full step of --train_batch_size {loop.train_batch_size}; "
-                        "lower --train_batch_size or add data")
-    engine = create_engine(PackedCausalLM(model), optim_config(train_cfg, steps), zero_config(model_cfg),
-                           dist.world_size)
+    run = TrainingRun(model, tokenizer, len(pairs), model_cfg, train_cfg, out_cfg, dist, save_config)
 
     loss_types = list(dpo_cfg.loss_type) + (["sft"] if dpo_cfg.nll_loss_coef else [])
     weights = list(dpo_cfg.loss_weights or [1.0] * len(dpo_cfg.loss_type))
     weights += [dpo_cfg.nll_loss_coef] if dpo_cfg.nll_loss_coef else []
     params = LossParams(beta=dpo_cfg.beta, label_smoothing=dpo_cfg.label_smoothing, simpo_gamma=dpo_cfg.simpo_gamma)
-    ref_name = dpo_cfg.ref_pretrain or pretrain
     eval_pairs = demo.preference_eval_pairs(tokenizer) if demo_model is not None else None
     scorer, eval_ref = None, None
     if needs_reference(loss_types):
-        scorer, eval_ref = _reference(ref_name, model_cfg, dpo_cfg, pairs, train_cfg, dist, tokenizer, eval_pairs)
+        scorer, eval_ref = _reference(dpo_cfg.ref_pretrain or pretrain, model_cfg, dpo_cfg, pairs, train_cfg, dist,
+                                      tokenizer, eval_pairs)
     objective = PreferenceObjective(loss_types, weights, params, scorer)
 
-    ckpt_path = Path(out_cfg.ckpt_path or save_path / "checkpoints")
-    position = Position()
-    if out_cfg.load_checkpoint and (state := load_checkpoint(engine, ckpt_path)) is not None:
-        position = Position(**{k: state[k] for k in ("epoch", "step_in_epoch", "global_step")})
-        logger.info("resumed from %s at step %d", ckpt_path, position.global_step)
-    if dist.is_main and save_config is not None:
-        save_config(save_path / "config.yaml")
-    tracker = Tracker(str(save_path), steps, enabled=dist.is_main, use_wandb=out_cfg.use_wandb,
-                      wandb_project=out_cfg.wandb_project, wandb_run_name=out_cfg.wandb_run_name,
-                      use_tensorboard=out_cfg.use_tensorboard, resume=position.global_step > 0)
-    with tracker:
-        report = functools.partial(_report_demo, tracker, model, tokenizer, eval_pairs, eval_ref, dpo_cfg.beta,
-                                   _scoring_batcher(eval_pairs or pairs, train_cfg, dist, tokenizer), dist)
+    with run.tracker:
         if eval_pairs is not None:
-            report(position.global_step, "before")
-
-        def save(at: Position) -> None:
-            save_checkpoint(engine, tokenizer, ckpt_path, at.global_step, asdict(at), out_cfg.max_ckpt_num, dist.is_main)
-
-        engine.train()
-        step = functools.partial(dpo_step, engine, batcher, objective, dist=dist)
-        position = train(step, len(pairs), loop, tracker, save, position)
-        save_hf_model(engine, tokenizer, save_path / "model", dist.is_main)
-        tracker.message(f"model saved to {save_path / 'model'}")
+            report_demo = functools.partial(_report_demo, run.tracker, model, tokenizer, eval_pairs, eval_ref,
+                                            dpo_cfg.beta, _scoring_batcher(eval_pairs, train_cfg, dist, tokenizer), dist)
+            report_demo(run.position.global_step, "before")
+        position = run.train(functools.partial(dpo_step, run.engine, batcher, objective, dist=dist))
         if eval_pairs is not None:
-            report(position.global_step, "after")
+            report_demo(position.global_step, "after")
     return 0
 
 

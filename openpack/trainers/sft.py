@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 
 from openpack.core.schedule import epoch_steps
 from openpack.distributed.engine import optimizer_step

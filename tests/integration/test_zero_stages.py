@@ -7,7 +7,6 @@ DeepSpeed gathers it for our forward and backward.
 """
 
 import pytest
-import torch
 
 from openpack.core.batch import collate_packed
 from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine, optimizer_step
