@@ -11,22 +11,82 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from openpack.core.schedule import epoch_steps
 from openpack.data.loading import DataError, Rows, load_rows
 from openpack.distributed.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine
 from openpack.distributed.process import DistInfo, init_distributed
 from openpack.models.attention import set_attention_backend
 from openpack.models.packed import PackedCausalLM
-from openpack.trainers.sft import LoopConfig, Position, total_steps, train
 from openpack.trainers.tracking import Tracker
 
 logger = logging.getLogger("openpack")
+
+
+@dataclass
+class LoopConfig:
+    train_batch_size: int
+    max_epochs: int
+    max_steps: int | None
+    seed: int
+    logging_steps: int
+    save_steps: int | None  # None: only at the end
+
+
+@dataclass
+class Position:
+    """Where training stands; saved in checkpoints so a resumed run continues exactly here."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+
+
+def steps_per_epoch(num_samples: int, train_batch_size: int) -> int:
+    return num_samples // train_batch_size
+
+
+def total_steps(num_samples: int, loop: LoopConfig) -> int:
+    full = steps_per_epoch(num_samples, loop.train_batch_size) * loop.max_epochs
+    return min(full, loop.max_steps) if loop.max_steps else full
+
+
+def run_steps(
+    step: Callable[[list[int]], dict],
+    num_samples: int,
+    loop: LoopConfig,
+    tracker,
+    save: Callable[[Position], None],
+    start: Position | None = None,
+) -> Position:
+    """Run ``step(sample_ids) -> metrics`` from ``start`` until max_epochs or max_steps.
+
+    Shared by every trainer: the epoch order, the position a checkpoint
+    resumes from, logging and ``save`` (a checkpoint at a position) live here.
+    """
+    position = start or Position()
+    last = total_steps(num_samples, loop)
+    while position.epoch < loop.max_epochs and position.global_step < last:
+        steps = epoch_steps(num_samples, loop.train_batch_size, loop.seed, position.epoch)
+        while position.step_in_epoch < len(steps) and position.global_step < last:
+            metrics = step(steps[position.step_in_epoch])
+            position.step_in_epoch += 1
+            position.global_step += 1
+            if position.global_step % loop.logging_steps == 0 or position.global_step == last:
+                tracker.log(position.global_step, {"epoch": position.epoch, **metrics})
+            if loop.save_steps and position.global_step % loop.save_steps == 0 and position.global_step < last:
+                save(position)
+        if position.step_in_epoch >= len(steps):
+            position.epoch += 1
+            position.step_in_epoch = 0
+    save(position)
+    return position
 
 
 class TrainingRun:
@@ -67,7 +127,7 @@ class TrainingRun:
     def train(self, step: Callable[[list[int]], dict]) -> Position:
         """Run the steps, then write the final model; returns where training ended."""
         self.engine.train()
-        self.position = train(step, self.num_samples, self.loop, self.tracker, self.save, self.position)
+        self.position = run_steps(step, self.num_samples, self.loop, self.tracker, self.save, self.position)
         save_hf_model(self.engine, self.tokenizer, self.save_path / "model", self.dist.is_main)
         self.tracker.message(f"model saved to {self.save_path / 'model'}")
         return self.position

@@ -12,42 +12,10 @@ equally instead is the bug of verl #5625.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
 
-
-from openpack.core.schedule import epoch_steps
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo, all_reduce_sum
 from openpack.trainers.batching import MicroBatcher
-
-
-@dataclass
-class LoopConfig:
-    train_batch_size: int
-    max_epochs: int
-    max_steps: int | None
-    seed: int
-    logging_steps: int
-    save_steps: int | None  # None: only at the end
-
-
-@dataclass
-class Position:
-    """Where training stands; saved in checkpoints so a resumed run continues exactly here."""
-
-    epoch: int = 0
-    step_in_epoch: int = 0
-    global_step: int = 0
-
-
-def steps_per_epoch(num_samples: int, train_batch_size: int) -> int:
-    return num_samples // train_batch_size
-
-
-def total_steps(num_samples: int, loop: LoopConfig) -> int:
-    full = steps_per_epoch(num_samples, loop.train_batch_size) * loop.max_epochs
-    return min(full, loop.max_steps) if loop.max_steps else full
 
 
 def loss_tokens(batcher: MicroBatcher, sample_ids) -> int:
@@ -92,35 +60,3 @@ def train_step(engine, batcher: MicroBatcher, sample_ids: list[int], dist: DistI
     if efficiency is not None:
         metrics["packing_efficiency"] = efficiency
     return metrics
-
-
-def train(
-    step: Callable[[list[int]], dict],
-    num_samples: int,
-    loop: LoopConfig,
-    tracker,
-    save: Callable[[Position], None],
-    start: Position | None = None,
-) -> Position:
-    """Run ``step(sample_ids) -> metrics`` from ``start`` until max_epochs or max_steps.
-
-    Shared by every trainer: the epoch order, the position a checkpoint
-    resumes from, logging and ``save`` (a checkpoint at a position) live here.
-    """
-    position = start or Position()
-    last = total_steps(num_samples, loop)
-    while position.epoch < loop.max_epochs and position.global_step < last:
-        steps = epoch_steps(num_samples, loop.train_batch_size, loop.seed, position.epoch)
-        while position.step_in_epoch < len(steps) and position.global_step < last:
-            metrics = step(steps[position.step_in_epoch])
-            position.step_in_epoch += 1
-            position.global_step += 1
-            if position.global_step % loop.logging_steps == 0 or position.global_step == last:
-                tracker.log(position.global_step, {"epoch": position.epoch, **metrics})
-            if loop.save_steps and position.global_step % loop.save_steps == 0 and position.global_step < last:
-                save(position)
-        if position.step_in_epoch >= len(steps):
-            position.epoch += 1
-            position.step_in_epoch = 0
-    save(position)
-    return position
