@@ -16,22 +16,17 @@ from pathlib import Path
 
 from openpack.cli.config import ConfigError, arg, parse_config, save_config
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
-from openpack.cli.train_sft import ModelConfig, OutputConfig, TrainConfig, check_consistency
+from openpack.cli.train_sft import (DatasetConfig, ModelConfig, OutputConfig, TrainConfig, check_consistency,
+                                    with_demo_defaults)
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "dpo.yaml"
 
 
 @dataclass
-class PreferenceDataConfig:
-    dataset: list[str] | None = arg(None, "HF dataset names or local .json/.jsonl/.parquet files or folders")
-    dataset_probs: list[float] | None = arg(None, "sampling probability of each --dataset (sums to 1)")
+class PreferenceDataConfig(DatasetConfig):
     prompt_key: str = arg("prompt", "key of the prompt in each row")
     chosen_key: str = arg("chosen", "key of the preferred response")
     rejected_key: str = arg("rejected", "key of the dispreferred response")
-    max_len: int = arg(2048, "max tokens of prompt + one response")
-    overlength_policy: str = arg("truncate", "pairs over --max_len", choices=["truncate", "drop", "error"])
-    skip_bad_samples: bool = arg(False, "skip and count malformed pairs instead of stopping with an error")
-    max_samples: int | None = arg(None, "use at most this many pairs")
 
 
 @dataclass
@@ -57,14 +52,6 @@ CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, DPOConf
 ALIASES = {"--ipo": ("loss_type", ["ipo"])}
 
 
-def with_demo_defaults(argv: list[str]) -> list[str]:
-    """No --pretrain, --dataset or --config: the built-in demo, its defaults from a YAML shown to the user."""
-    if any(a.split("=")[0] in ("--pretrain", "--dataset", "--config", "-h", "--help") for a in argv):
-        return argv
-    print(f"openpack train_dpo: no --pretrain/--dataset, running the built-in demo with defaults from {DEMO_CONFIG}")
-    return ["--config", str(DEMO_CONFIG), *argv]
-
-
 def demo_sft_model() -> Path:
     """The SFT demo model DPO starts from: the `openpack train_sft` demo (about 75 s on 2 CPU cores), cached."""
     from openpack.cli import train_sft
@@ -82,7 +69,7 @@ def demo_sft_model() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv))
+    argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_dpo", DEMO_CONFIG)
     try:
         configs = parse_config(argv, "openpack train_dpo", __doc__.split("\n\n")[0], *CONFIGS, aliases=ALIASES)
         model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg = configs

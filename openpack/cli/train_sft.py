@@ -27,16 +27,22 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DatasetConfig:
+    """Where rows come from and how many; shared by every training command."""
+
     dataset: list[str] | None = arg(None, "HF dataset names or local .json/.jsonl/.parquet files or folders")
     dataset_probs: list[float] | None = arg(None, "sampling probability of each --dataset (sums to 1)")
+    max_len: int = arg(2048, "max tokens per sequence (prompt + response)")
+    overlength_policy: str = arg("truncate", "sequences over --max_len", choices=["truncate", "drop", "error"])
+    skip_bad_samples: bool = arg(False, "skip and count malformed rows instead of stopping with an error")
+    max_samples: int | None = arg(None, "use at most this many samples")
+
+
+@dataclass
+class DataConfig(DatasetConfig):
     input_key: str = arg("prompt", "key of the prompt in each row")
     output_key: str = arg("response", "key of the response in each row")
     apply_chat_template: bool = arg(False, "format prompt/response with the tokenizer's chat template")
-    max_len: int = arg(2048, "max tokens per sample (prompt + response)")
-    overlength_policy: str = arg("truncate", "samples over --max_len", choices=["truncate", "drop", "error"])
-    skip_bad_samples: bool = arg(False, "skip and count malformed rows instead of stopping with an error")
-    max_samples: int | None = arg(None, "use at most this many samples")
 
 
 @dataclass
@@ -105,16 +111,16 @@ def check_consistency(model: ModelConfig, data: DataConfig, train: TrainConfig) 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "sft.yaml"
 
 
-def with_demo_defaults(argv: list[str]) -> list[str]:
+def with_demo_defaults(argv: list[str], command: str, demo_config: Path) -> list[str]:
     """No --pretrain, --dataset or --config: the built-in demo, its defaults from a YAML shown to the user."""
     if any(a.split("=")[0] in ("--pretrain", "--dataset", "--config", "-h", "--help") for a in argv):
         return argv
-    print(f"openpack train_sft: no --pretrain/--dataset, running the built-in demo with defaults from {DEMO_CONFIG}")
-    return ["--config", str(DEMO_CONFIG), *argv]
+    print(f"openpack {command}: no --pretrain/--dataset, running the built-in demo with defaults from {demo_config}")
+    return ["--config", str(demo_config), *argv]
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv))
+    argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_sft", DEMO_CONFIG)
     try:
         configs = parse_config(argv, "openpack train_sft", __doc__.split("\n\n")[0], *CONFIGS)
         check_consistency(*configs[:3])

@@ -47,3 +47,21 @@ class MicroBatcher:
             else:
                 batches.append(collate_padded(segments, self.pad_token_id))
         return batches
+
+
+def step_metrics(plan: StepPlan, batcher: MicroBatcher, engine, grad_norm: float, micro_batches: int,
+                 elapsed: float) -> dict:
+    """What every trainer reports for a step besides its loss: lr, grad norm, tokens, speed, packing."""
+    real_tokens = plan.real_tokens(batcher.group_lengths)
+    metrics = {
+        "lr": engine.get_lr()[0],
+        "grad_norm": grad_norm,
+        "tokens": real_tokens,
+        "micro_batches": micro_batches,
+        "tokens_per_s": real_tokens / elapsed,
+        "step_time_s": elapsed,
+    }
+    efficiency = plan.packing_efficiency(batcher.group_lengths)
+    if efficiency is not None:
+        metrics["packing_efficiency"] = efficiency
+    return metrics

@@ -36,11 +36,14 @@ def tokenizer_and_model(model_cfg, seed: int):
 
 
 def write_sft_data(save_path: Path, is_main: bool) -> list[str]:
-    """Write the demo's training split as JSONL (so it goes through the normal loader); returns [path]."""
-    path = Path(save_path) / "demo_data" / "sft_train.jsonl"
+    """The demo's training split as JSONL (so it goes through the normal loader); returns [path]."""
+    return _write_demo_rows(Path(save_path) / "demo_data" / "sft_train.jsonl", demo_samples("train", TRAIN_SAMPLES), is_main)
+
+
+def _write_demo_rows(path: Path, rows: list[dict], is_main: bool) -> list[str]:
     if is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_jsonl(demo_samples("train", TRAIN_SAMPLES), path)
+        write_jsonl(rows, path)
     return [str(path)]
 
 
@@ -55,11 +58,8 @@ def accuracy(model, tokenizer, n: int = EVAL_SAMPLES) -> float:
 
 def write_preference_data(save_path: Path, is_main: bool) -> list[str]:
     """The demo's training preference pairs as JSONL: chosen correct, rejected a plausible wrong answer."""
-    path = Path(save_path) / "demo_data" / "dpo_train.jsonl"
-    if is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_jsonl(demo_preference_pairs("train", PREFERENCE_SAMPLES), path)
-    return [str(path)]
+    pairs = demo_preference_pairs("train", PREFERENCE_SAMPLES)
+    return _write_demo_rows(Path(save_path) / "demo_data" / "dpo_train.jsonl", pairs, is_main)
 
 
 def preference_eval_pairs(tokenizer, n: int = EVAL_SAMPLES):

@@ -22,7 +22,7 @@ from openpack.core.logprobs import pair_values, segment_logprobs
 from openpack.core.losses import LossParams, PairLogps, implicit_rewards, pair_losses
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo, all_reduce_sum
-from openpack.trainers.batching import MicroBatcher
+from openpack.trainers.batching import MicroBatcher, step_metrics
 
 STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
          "logps/chosen", "logps/rejected")
@@ -84,19 +84,6 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, samp
         sums = [a + b for a, b in zip(sums, pair_stats(logps, losses, objective.params.beta))]
     totals = all_reduce_sum(sums, dist.device)
     elapsed = time.perf_counter() - start
-    real_tokens = plan.real_tokens(batcher.group_lengths)
     metrics = {name: total / pairs for name, total in zip(STATS, totals)}
-    metrics.update({
-        "lr": engine.get_lr()[0],
-        "grad_norm": grad_norm,
-        "tokens": real_tokens,
-        "pairs": pairs,
-        "micro_batches": len(micro_batches),
-        "tokens_per_s": real_tokens / elapsed,
-        "pairs_per_s": pairs / elapsed,
-        "step_time_s": elapsed,
-    })
-    efficiency = plan.packing_efficiency(batcher.group_lengths)
-    if efficiency is not None:
-        metrics["packing_efficiency"] = efficiency
-    return metrics
+    metrics.update(pairs=pairs, pairs_per_s=pairs / elapsed)
+    return {**metrics, **step_metrics(plan, batcher, engine, grad_norm, len(micro_batches), elapsed)}

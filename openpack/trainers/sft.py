@@ -15,7 +15,7 @@ import time
 
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo, all_reduce_sum
-from openpack.trainers.batching import MicroBatcher
+from openpack.trainers.batching import MicroBatcher, step_metrics
 
 
 def loss_tokens(batcher: MicroBatcher, sample_ids) -> int:
@@ -44,19 +44,9 @@ def train_step(engine, batcher: MicroBatcher, sample_ids: list[int], dist: DistI
         nll_sum += nll.item()
     (global_nll,) = all_reduce_sum([nll_sum], dist.device)
     elapsed = time.perf_counter() - start
-    real_tokens = plan.real_tokens(batcher.group_lengths)
-    metrics = {
+    return {
         "loss": global_nll / denominator,
-        "lr": engine.get_lr()[0],
-        "grad_norm": grad_norm,
-        "tokens": real_tokens,
         "loss_tokens": denominator,
         "samples": len(sample_ids),
-        "micro_batches": len(micro_batches),
-        "tokens_per_s": real_tokens / elapsed,
-        "step_time_s": elapsed,
+        **step_metrics(plan, batcher, engine, grad_norm, len(micro_batches), elapsed),
     }
-    efficiency = plan.packing_efficiency(batcher.group_lengths)
-    if efficiency is not None:
-        metrics["packing_efficiency"] = efficiency
-    return metrics
