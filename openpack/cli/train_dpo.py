@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, arg, parse_config, save_config
+from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
-from openpack.cli.train_sft import (DatasetConfig, ModelConfig, OutputConfig, TrainConfig, check_consistency,
-                                    with_demo_defaults)
+from openpack.cli.train_sft import (DatasetConfig, LaunchConfig, ModelConfig, OutputConfig, TrainConfig,
+                                    check_consistency, launch, with_demo_defaults)
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "dpo.yaml"
 
@@ -48,7 +48,7 @@ class DPOConfig:
             raise ConfigError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
-CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, DPOConfig)
+CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, DPOConfig, LaunchConfig)
 ALIASES = {"--ipo": ("loss_type", ["ipo"])}
 
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_dpo", DEMO_CONFIG)
     try:
         configs = parse_config(argv, "openpack train_dpo", __doc__.split("\n\n")[0], *CONFIGS, aliases=ALIASES)
-        model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg = configs
+        model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, _ = configs
         check_consistency(model_cfg, SFTDataConfig(dataset=data_cfg.dataset, max_len=1), train_cfg)
         if train_cfg.use_dynamic_batch and 2 * data_cfg.max_len > train_cfg.max_tokens_per_gpu:
             raise ConfigError(
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo_model = demo_sft_model() if model_cfg.pretrain is None else None
     try:
-        return run_dpo(*configs, demo_model=demo_model, save_config=lambda path: save_config(path, *configs))
+        return launch(run_dpo, configs[:-1], {"demo_model": demo_model}, configs)
     except (DataError, ModelLoadError) as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2

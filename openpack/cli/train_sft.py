@@ -7,6 +7,7 @@ reports held-out exact-match accuracy before and after training.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,17 @@ class OutputConfig:
     use_tensorboard: str | None = arg(None, "TensorBoard log folder")
 
 
-CONFIGS = (ModelConfig, DataConfig, TrainConfig, OutputConfig)
+@dataclass
+class LaunchConfig:
+    launcher: str = arg("local", "local: ranks from the environment (one process, torchrun, deepspeed); ray: one actor per rank",
+                        choices=["local", "ray"])
+    ray_address: str | None = arg(None, "Ray cluster to attach to ('auto' for the running one); none: start a local one")
+    num_nodes: int = arg(1, "nodes to place ranks on (--launcher ray)")
+    num_gpus_per_node: int = arg(1, "ranks per node; on a CPU-only cluster, CPU workers per node (--launcher ray)")
+    num_cpus_per_worker: int = arg(1, "CPUs reserved for each rank (--launcher ray)")
+
+
+CONFIGS = (ModelConfig, DataConfig, TrainConfig, OutputConfig, LaunchConfig)
 
 
 def check_consistency(model: ModelConfig, data: DataConfig, train: TrainConfig) -> None:
@@ -119,6 +130,24 @@ def with_demo_defaults(argv: list[str], command: str, demo_config: Path) -> list
     return ["--config", str(demo_config), *argv]
 
 
+def save_all(configs: tuple, path: Path) -> None:
+    """Write the effective config of every group (module level, so Ray can ship it to rank 0)."""
+    save_config(path, *configs)
+
+
+def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple) -> int:
+    """Run ``worker`` on every rank with the launcher the last config (LaunchConfig) names."""
+    launch_cfg = configs[-1]
+    kwargs = {**worker_kwargs, "save_config": functools.partial(save_all, configs)}
+    if launch_cfg.launcher == "local":
+        return worker(*worker_args, **kwargs)
+    from openpack.orchestration.ray_launcher import launch as ray_launch
+
+    return ray_launch(worker, worker_args, kwargs, num_nodes=launch_cfg.num_nodes,
+                      num_gpus_per_node=launch_cfg.num_gpus_per_node,
+                      num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=launch_cfg.ray_address)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_sft", DEMO_CONFIG)
     try:
@@ -132,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     from openpack.trainers.sft_worker import run_sft
 
     try:
-        return run_sft(*configs, save_config=lambda path: save_config(path, *configs))
+        return launch(run_sft, configs[:-1], {}, configs)
     except (DataError, ModelLoadError) as err:
         print(f"openpack train_sft: {err}", file=sys.stderr)
         return 2
