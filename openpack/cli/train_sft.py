@@ -141,11 +141,16 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple) -> i
     kwargs = {**worker_kwargs, "save_config": functools.partial(save_all, configs)}
     if launch_cfg.launcher == "local":
         return worker(*worker_args, **kwargs)
+    from openpack.orchestration.ray_launcher import RankDiedError
     from openpack.orchestration.ray_launcher import launch as ray_launch
 
-    return ray_launch(worker, worker_args, kwargs, num_nodes=launch_cfg.num_nodes,
-                      num_gpus_per_node=launch_cfg.num_gpus_per_node,
-                      num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=launch_cfg.ray_address)
+    try:
+        return ray_launch(worker, worker_args, kwargs, num_nodes=launch_cfg.num_nodes,
+                          num_gpus_per_node=launch_cfg.num_gpus_per_node,
+                          num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=launch_cfg.ray_address)
+    except RankDiedError as err:
+        print(f"openpack: {err}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

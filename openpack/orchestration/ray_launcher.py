@@ -17,11 +17,8 @@ the run exits non-zero.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Callable
-
-logger = logging.getLogger("openpack")
 
 
 def _rank_actor_class():
@@ -36,8 +33,8 @@ def _rank_actor_class():
 
             return ray.util.get_node_ip_address(), free_port()
 
-        def node(self) -> str:
-            return ray.util.get_node_ip_address()
+        def node(self) -> tuple[str, int]:
+            return f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}", os.getpid()
 
         def run(self, env: dict, worker: Callable, args: tuple, kwargs: dict):
             os.environ.update(env)
@@ -52,9 +49,12 @@ def connect(ray_address: str | None, cpus_needed: int) -> None:
     if ray.is_initialized():
         return
     if ray_address:
-        ray.init(address=ray_address, log_to_driver=True)
-    else:  # a local cluster on loopback, sized to the workers asked for
-        ray.init(num_cpus=max(cpus_needed, os.cpu_count() or 1), _node_ip_address="127.0.0.1",
+        # A cluster on loopback (tests, one machine) must be joined from loopback too, or Ray swaps
+        # in the machine's interface address and never reaches the head node.
+        local = ray_address.split(":")[0] in ("127.0.0.1", "localhost")
+        ray.init(address=ray_address, log_to_driver=True, **({"_node_ip_address": "127.0.0.1"} if local else {}))
+    else:  # always a new local cluster on loopback (never one left running), sized to the workers asked for
+        ray.init(address="local", num_cpus=max(cpus_needed, os.cpu_count() or 1), _node_ip_address="127.0.0.1",
                  include_dashboard=False, log_to_driver=True)
 
 
@@ -77,9 +77,12 @@ def launch(worker: Callable, args: tuple, kwargs: dict, *, num_nodes: int, num_g
             placement_group=group, placement_group_bundle_index=rank)).remote()
         for rank in range(world)
     ]
-    nodes = ray.get([a.node.remote() for a in actors])
+    placed = ray.get([a.node.remote() for a in actors])
+    nodes = [node for node, _ in placed]
+    for rank, (node, pid) in enumerate(placed):
+        print(f"ray: rank {rank} pid {pid} on node {node}", flush=True)
     master_addr, master_port = ray.get(actors[0].rendezvous.remote())
-    logger.info("ray: %d ranks on nodes %s, rendezvous %s:%d", world, sorted(set(nodes)), master_addr, master_port)
+    print(f"ray: {world} ranks on nodes {sorted(set(nodes))}, rendezvous {master_addr}:{master_port}", flush=True)
     runs = []
     for rank, a in enumerate(actors):
         local_ranks = [r for r in range(world) if nodes[r] == nodes[rank]]
@@ -96,26 +99,22 @@ def launch(worker: Callable, args: tuple, kwargs: dict, *, num_nodes: int, num_g
 
 
 def _wait(runs, nodes):
+    """Results of every rank, failing as soon as one rank fails (the others may hang in a collective)."""
     import ray
 
-    try:
-        return ray.get(runs)
-    except ray.exceptions.RayTaskError as err:
-        raise err.cause if err.cause is not None else err
-    except ray.exceptions.RayActorError as err:
-        rank = next((r for r, ref in enumerate(runs) if _failed(ref)), None)
-        where = f"rank {rank} on node {nodes[rank]}" if rank is not None else "a rank"
-        raise RuntimeError(f"ray: {where} died ({err.__class__.__name__}); the last checkpoint is intact, "
-                           "resume with --load_checkpoint") from err
+    pending = list(runs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayTaskError as err:
+            raise err.cause if err.cause is not None else err
+        except ray.exceptions.RayActorError as err:
+            rank = runs.index(done[0])
+            raise RankDiedError(f"ray: rank {rank} on node {nodes[rank]} died ({type(err).__name__}); "
+                                "the last checkpoint is intact: rerun with --load_checkpoint to resume") from err
+    return ray.get(runs)
 
 
-def _failed(ref) -> bool:
-    import ray
-
-    try:
-        ray.get(ref, timeout=0)
-    except ray.exceptions.RayActorError:
-        return True
-    except Exception:  # still running (GetTimeoutError) or failed otherwise: not the dead rank
-        return False
-    return False
+class RankDiedError(RuntimeError):
+    """A worker process died (killed, out of memory, node lost)."""
