@@ -46,7 +46,8 @@ def example_commands():
 
     root = Path(__file__).resolve().parents[2] / "examples"
     for script in sorted(root.glob("*.sh")):
-        for line in script.read_text().splitlines():
+        text = script.read_text().replace("\\\n", " ")  # join continued lines
+        for line in text.splitlines():
             line = line.strip()
             if line.startswith("openpack "):
                 yield script.name, shlex.split(line)[1:]
@@ -58,7 +59,7 @@ def test_example_scripts_use_real_flags():
     from openpack.cli.config import parse_config
 
     commands = list(example_commands())
-    assert commands, "no openpack command found in examples/"
+    assert {name for name, _ in commands} >= {"dpo_8b_2x8_zero3.sh", "sft_1node.sh", "check_packing_gpu.sh"}
     for script, (command, *flags) in commands:
         assert command in COMMANDS, f"{script}: unknown command {command}"
         module = importlib.import_module(COMMANDS[command][0])
