@@ -82,12 +82,7 @@ class PackedBatch:
         return self.cu_seqlens.numel() - 1
 
     def to(self, device) -> "PackedBatch":
-        moved = {
-            f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
-            for f in fields(self)
-            for v in [getattr(self, f.name)]
-        }
-        return PackedBatch(**moved)
+        return moved_to(self, device)
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments a Hugging Face decoder forwards to its attention function."""
@@ -97,6 +92,12 @@ class PackedBatch:
             "max_length_q": self.max_seqlen,
             "max_length_k": self.max_seqlen,
         }
+
+
+def moved_to(batch, device):
+    """A copy of a batch dataclass with every tensor field on ``device`` (other fields as they are)."""
+    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return type(batch)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
 
 
 def shifted_labels(segment: Segment) -> list[int]:
@@ -163,7 +164,7 @@ class PaddedBatch:
         return torch.arange(rows, device=self.input_ids.device).repeat_interleave(length)
 
     def to(self, device) -> "PaddedBatch":
-        return PaddedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return moved_to(self, device)
 
 
 def collate_padded(segments: Sequence[Segment], pad_token_id: int = 0) -> PaddedBatch:

@@ -38,6 +38,16 @@ class MicroBatcher:
             return plan_step(sample_ids, self.group_lengths, self.world_size, max_tokens=self.max_tokens_per_gpu)
         return plan_step(sample_ids, self.group_lengths, self.world_size, micro_batch_size=self.micro_batch_size)
 
+    def label_tokens(self, sample_ids: Sequence[int], role: int | None = None) -> int:
+        """Label tokens of these samples (targets after each segment's first token), of one role if given.
+
+        Every rank computes this for the whole step from the same plan, so the
+        step's loss normaliser needs no communication.
+        """
+        return sum(
+            sum(seg.targets[1:]) for i in sample_ids for seg in self.segments(i) if role is None or seg.role == role
+        )
+
     def micro_batches(self, plan: StepPlan, rank: int) -> list:
         batches = []
         for sample_ids in plan.rank_micro_batches[rank]:

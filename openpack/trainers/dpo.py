@@ -69,8 +69,7 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, samp
     plan = batcher.plan(sample_ids)
     pairs = len(sample_ids)
     # The sft term is a token mean over the step (as TRL's is over its batch); every rank can count it.
-    chosen_tokens = sum(sum(seg.targets[1:]) for i in sample_ids for seg in batcher.segments(i) if seg.role == CHOSEN)
-    params = dataclasses.replace(objective.params, sft_tokens_per_pair=chosen_tokens / pairs)
+    params = dataclasses.replace(objective.params, sft_tokens_per_pair=batcher.label_tokens(sample_ids, CHOSEN) / pairs)
     micro_batches = batcher.micro_batches(plan, dist.rank)
     sums, grad_norm = [0.0] * len(STATS), None
     for index, batch in enumerate(micro_batches):

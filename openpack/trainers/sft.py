@@ -18,16 +18,11 @@ from openpack.distributed.process import DistInfo, all_reduce_sum
 from openpack.trainers.batching import MicroBatcher, step_metrics
 
 
-def loss_tokens(batcher: MicroBatcher, sample_ids) -> int:
-    """Label tokens of these samples: targets after each segment's first token."""
-    return sum(sum(seg.targets[1:]) for i in sample_ids for seg in batcher.segments(i))
-
-
 def train_step(engine, batcher: MicroBatcher, sample_ids: list[int], dist: DistInfo) -> dict:
     """Forward/backward over this rank's micro-batches of one step, then one optimizer step."""
     start = time.perf_counter()
     plan = batcher.plan(sample_ids)
-    denominator = loss_tokens(batcher, sample_ids)
+    denominator = batcher.label_tokens(sample_ids)
     micro_batches = batcher.micro_batches(plan, dist.rank)
     nll_sum, grad_norm = 0.0, None
     for index, batch in enumerate(micro_batches):
