@@ -8,6 +8,7 @@ are reported before and after.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -17,7 +18,8 @@ from pathlib import Path
 from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
 from openpack.cli.train_sft import (DatasetConfig, LaunchConfig, ModelConfig, OutputConfig, TrainConfig,
-                                    check_consistency, launch, with_demo_defaults)
+                                    check_consistency, launch, launched_by_environment, with_demo_defaults)
+from openpack.core.losses import needs_reference
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "dpo.yaml"
 
@@ -40,19 +42,33 @@ class DPOConfig:
     simpo_gamma: float = arg(0.5, "SimPO target reward margin")
     ref_offload: bool = arg(False, "keep the reference model's parameters on the CPU (ZeRO-3)")
     ref_logps_cache: str | None = arg(None, "file of precomputed reference log-probs: computed once, reused, reference freed")
+    ref_num_nodes: int = arg(0, "0: the reference lives in the policy ranks; N: its own Ray actor group on N nodes")
+    ref_num_gpus_per_node: int = arg(1, "reference ranks per node with --ref_num_nodes (they must divide the policy ranks)")
+
+    def losses(self) -> tuple[list[str], list[float]]:
+        """The weighted loss terms: each --loss_type with its weight, and the sft term if --nll_loss_coef."""
+        types, weights = list(self.loss_type), list(self.loss_weights or [1.0] * len(self.loss_type))
+        if self.nll_loss_coef:
+            types, weights = types + ["sft"], weights + [self.nll_loss_coef]
+        return types, weights
 
     def validate(self):
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise ConfigError(f"--loss_weights has {len(self.loss_weights)} values for {len(self.loss_type)} --loss_type")
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.ref_num_nodes < 0 or self.ref_num_gpus_per_node < 1:
+            raise ConfigError("--ref_num_nodes must be >= 0 and --ref_num_gpus_per_node >= 1")
+        if self.ref_num_nodes and self.ref_logps_cache:
+            raise ConfigError("--ref_logps_cache computes the reference log-probs once and frees the reference; "
+                              "a separate reference group (--ref_num_nodes) would sit idle: drop one of them")
 
 
 CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, DPOConfig, LaunchConfig)
 ALIASES = {"--ipo": ("loss_type", ["ipo"])}
 
 
-def demo_sft_model() -> Path:
+def demo_sft_model(launch_cfg: LaunchConfig) -> Path:
     """The SFT demo model DPO starts from: the `openpack train_sft` demo (about 75 s on 2 CPU cores), cached."""
     from openpack.cli import train_sft
     from openpack.trainers import demo
@@ -63,16 +79,33 @@ def demo_sft_model() -> Path:
     cache = Path(os.environ.get("OPENPACK_CACHE", Path.home() / ".cache" / "openpack")) / f"demo_sft-{recipe}"
     if not (cache / "model" / "config.json").exists():
         print(f"openpack train_dpo: training the SFT demo model first (cached in {cache})")
-        if train_sft.main(["--save_path", str(cache)]) != 0:
+        launch_flags = ["--launcher", launch_cfg.launcher] + (["--ray_address", launch_cfg.ray_address]
+                                                              if launch_cfg.ray_address else [])
+        if train_sft.main(["--save_path", str(cache), *launch_flags]) != 0:
             raise RuntimeError("the SFT demo run failed; see its output above")
     return cache / "model"
+
+
+def _check_reference_group(dpo_cfg: DPOConfig, launch_cfg: LaunchConfig) -> None:
+    if not dpo_cfg.ref_num_nodes:
+        return
+    if launch_cfg.launcher != "ray" or launched_by_environment():
+        raise ConfigError("--ref_num_nodes places the reference in its own Ray actor group: it needs --launcher ray "
+                          "(not --launcher local, torchrun or the deepspeed launcher)")
+    ranks = launch_cfg.num_nodes * launch_cfg.num_gpus_per_node
+    ref_ranks = dpo_cfg.ref_num_nodes * dpo_cfg.ref_num_gpus_per_node
+    if ref_ranks > ranks or ranks % ref_ranks:
+        raise ConfigError(f"{ref_ranks} reference ranks (--ref_num_nodes x --ref_num_gpus_per_node) must divide the "
+                          f"{ranks} policy ranks (--num_nodes x --num_gpus_per_node), so each serves the same number")
+    if not needs_reference(dpo_cfg.losses()[0]):
+        raise ConfigError(f"--loss_type {' '.join(dpo_cfg.loss_type)} uses no reference model: drop --ref_num_nodes")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_dpo", DEMO_CONFIG)
     try:
         configs = parse_config(argv, "openpack train_dpo", __doc__.split("\n\n")[0], *CONFIGS, aliases=ALIASES)
-        model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, _ = configs
+        model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, launch_cfg = configs
         check_consistency(model_cfg, SFTDataConfig(dataset=data_cfg.dataset, max_len=1), train_cfg)
         if train_cfg.use_dynamic_batch and 2 * data_cfg.max_len > train_cfg.max_tokens_per_gpu:
             raise ConfigError(
@@ -81,16 +114,24 @@ def main(argv: list[str] | None = None) -> int:
             )
         if dpo_cfg.ref_offload and model_cfg.zero_stage != 3:
             raise ConfigError("--ref_offload needs --zero_stage 3 (the reference's parameters are offloaded by ZeRO-3)")
+        _check_reference_group(dpo_cfg, launch_cfg)
     except ConfigError as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2
     from openpack.data.loading import DataError
     from openpack.models.loading import ModelLoadError
-    from openpack.trainers.dpo_worker import run_dpo
+    from openpack.trainers.dpo_worker import build_reference, plan_dpo, run_dpo
 
-    demo_model = demo_sft_model() if model_cfg.pretrain is None else None
+    demo_model = demo_sft_model(launch_cfg) if model_cfg.pretrain is None else None
+    group = None
+    if dpo_cfg.ref_num_nodes:
+        from openpack.orchestration.ray_launcher import ReferenceGroupSpec
+
+        group = ReferenceGroupSpec(build_reference, (model_cfg, dpo_cfg, train_cfg, demo_model), dpo_cfg.ref_num_nodes,
+                                   dpo_cfg.ref_num_gpus_per_node)
     try:
-        return launch(run_dpo, configs[:-1], {"demo_model": demo_model}, configs)
+        planner = functools.partial(plan_dpo, *configs[:5], demo_model=demo_model)
+        return launch(run_dpo, configs[:-1], {"demo_model": demo_model}, configs, planner, reference=group)
     except (DataError, ModelLoadError) as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2

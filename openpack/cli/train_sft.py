@@ -8,6 +8,8 @@ reports held-out exact-match accuracy before and after training.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,12 +92,19 @@ class OutputConfig:
 
 @dataclass
 class LaunchConfig:
-    launcher: str = arg("local", "local: ranks from the environment (one process, torchrun, deepspeed); ray: one actor per rank",
-                        choices=["local", "ray"])
-    ray_address: str | None = arg(None, "Ray cluster to attach to ('auto' for the running one); none: start a local one")
+    launcher: str = arg("ray", "ray: one Ray actor per rank; local: this process is the only rank. Under torchrun or the "
+                        "deepspeed launcher each process is a rank (from the environment) whatever this says",
+                        choices=["ray", "local"])
+    ray_address: str | None = arg(None, "Ray cluster to attach to ('auto': the running one); none: start a local one")
     num_nodes: int = arg(1, "nodes to place ranks on (--launcher ray)")
     num_gpus_per_node: int = arg(1, "ranks per node; on a CPU-only cluster, CPU workers per node (--launcher ray)")
-    num_cpus_per_worker: int = arg(1, "CPUs reserved for each rank (--launcher ray)")
+    num_cpus_per_worker: int | None = arg(None, "CPUs reserved for each rank (--launcher ray); none: the node's CPUs / "
+                                          "--num_gpus_per_node")
+
+    def validate(self):
+        for flag in ("num_nodes", "num_gpus_per_node", "num_cpus_per_worker"):
+            if (getattr(self, flag) or 1) < 1:
+                raise ConfigError(f"--{flag} must be >= 1, got {getattr(self, flag)}")
 
 
 CONFIGS = (ModelConfig, DataConfig, TrainConfig, OutputConfig, LaunchConfig)
@@ -135,22 +144,44 @@ def save_all(configs: tuple, path: Path) -> None:
     save_config(path, *configs)
 
 
-def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple) -> int:
-    """Run ``worker`` on every rank with the launcher the last config (LaunchConfig) names."""
+def launched_by_environment() -> bool:
+    """torchrun (TORCHELASTIC_RUN_ID) and the deepspeed launcher (CROSS_RANK) start one process per rank.
+
+    Plain RANK/WORLD_SIZE would not do: a ``--launcher local`` run sets them for its own one-rank group.
+    """
+    return "TORCHELASTIC_RUN_ID" in os.environ or "CROSS_RANK" in os.environ
+
+
+def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, planner, reference=None) -> int:
+    """Plan, then run ``worker`` on every rank with the launcher the last config (LaunchConfig) names.
+
+    This process is the driver: ``planner(world_size)`` tokenizes the data once and returns each rank's
+    plan, handed to rank r as ``plan=``. Under torchrun or the deepspeed launcher there is no driver:
+    every process is a rank and plans for itself. ``reference`` (train_dpo with --ref_num_nodes)
+    describes a separate reference actor group (Ray only).
+    """
     launch_cfg = configs[-1]
     kwargs = {**worker_kwargs, "save_config": functools.partial(save_all, configs)}
-    if launch_cfg.launcher == "local":
+    if launched_by_environment():
         return worker(*worker_args, **kwargs)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if launch_cfg.launcher == "local":
+        return worker(*worker_args, **kwargs, plan=planner(1)[0])
     from openpack.orchestration.ray_launcher import RankDiedError
     from openpack.orchestration.ray_launcher import launch as ray_launch
 
+    plans = planner(launch_cfg.num_nodes * launch_cfg.num_gpus_per_node)
     try:
-        return ray_launch(worker, worker_args, kwargs, num_nodes=launch_cfg.num_nodes,
-                          num_gpus_per_node=launch_cfg.num_gpus_per_node,
-                          num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=launch_cfg.ray_address)
+        return ray_launch(worker, worker_args, kwargs, [{"plan": plan} for plan in plans],
+                          num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
+                          num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=launch_cfg.ray_address,
+                          reference=reference)
     except RankDiedError as err:
         print(f"openpack: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the launcher has already killed every actor and its local cluster
+        print("openpack: interrupted; all Ray workers were stopped", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from openpack.data.loading import DataError
     from openpack.models.loading import ModelLoadError
-    from openpack.trainers.sft_worker import run_sft
+    from openpack.trainers.sft_worker import plan_sft, run_sft
 
     try:
-        return launch(run_sft, configs[:-1], {}, configs)
+        return launch(run_sft, configs[:-1], {}, configs, functools.partial(plan_sft, *configs[:4]))
     except (DataError, ModelLoadError) as err:
         print(f"openpack train_sft: {err}", file=sys.stderr)
         return 2

@@ -1,8 +1,12 @@
 """Which samples form each optimizer step, and how a step is cut into micro-batches per rank.
 
-Every rank computes the same schedule from the same lengths and seed, so each
-knows the whole step (including the global count of loss tokens used to
-normalise the loss) without communicating.
+The whole run is planned once, from lengths only (``plan_run``): under Ray
+the driver plans and sends each rank its ``RankPlan``; one process or
+torchrun ranks plan for themselves (the same deterministic result). A rank's
+plan lists, for every step, the sample ids of its micro-batches and the
+step's totals over all ranks (samples, real tokens, label tokens per segment
+role, rows), so the loss normaliser needs no communication and a rank never
+needs another rank's samples.
 
 An epoch is a seeded permutation of the samples cut into steps of
 ``train_batch_size`` samples (the last incomplete step is dropped and
@@ -22,8 +26,8 @@ one part-filled pack per step and rank group, reported as packing efficiency.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from openpack.core.packing import deal_to_ranks, plan_packs, shuffled_epoch
 
@@ -45,6 +49,54 @@ class StepPlan:
             return None
         rows = sum(len(mbs) for mbs in self.rank_micro_batches)
         return self.real_tokens(group_lengths) / (rows * self.max_tokens)
+
+
+@dataclass
+class RankStep:
+    """What one rank needs of a step: its micro-batches, and the step's totals over all ranks."""
+
+    epoch: int
+    index: int  # the step's place in its epoch
+    micro_batches: list[list[int]]
+    samples: int
+    real_tokens: int
+    label_tokens: tuple[int, ...]  # over the step's samples, per segment position (SFT: one; a pair: chosen, rejected)
+    rows: int  # micro-batches over all ranks
+    max_tokens: int | None
+
+    @property
+    def packing_efficiency(self) -> float | None:
+        """Real tokens / (rows x max_tokens); None without a token cap."""
+        return None if self.max_tokens is None else self.real_tokens / (self.rows * self.max_tokens)
+
+
+@dataclass
+class RankPlan:
+    """Everything one rank is told about the data: the run's steps, and which rows its sample ids are."""
+
+    steps: list[RankStep]
+    rows: list[int]  # rows[i]: the loaded row that sample id i was tokenized from
+    fingerprint: str  # identity of the tokenized data (keys the reference log-prob cache)
+    datasets: list[str]  # where the rows are (--dataset, or the demo's files)
+    scoring: list[list[int]] | None = None  # this rank's share of every sample once (a reference pass)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.rows)
+
+    def sample_ids(self) -> list[int]:
+        """Every sample id this rank will see, in its steps or its scoring share."""
+        ids = {i for step in self.steps for mb in step.micro_batches for i in mb}
+        ids.update(i for mb in self.scoring or [] for i in mb)
+        return sorted(ids)
+
+
+@dataclass
+class Batching:
+    """How a step becomes micro-batches: token-capped packs (``max_tokens``) or ``micro_batch_size`` samples."""
+
+    max_tokens: int | None = None
+    micro_batch_size: int | None = None
 
 
 def epoch_steps(num_samples: int, train_batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -80,3 +132,46 @@ def plan_step(
         )
     chunks = [sample_ids[i:i + micro_batch_size] for i in range(0, len(sample_ids), micro_batch_size)]
     return StepPlan(sample_ids, [chunks[r::world_size] for r in range(world_size)])
+
+
+def total_steps(num_samples: int, train_batch_size: int, max_epochs: int, max_steps: int | None) -> int:
+    full = num_samples // train_batch_size * max_epochs
+    return min(full, max_steps) if max_steps else full
+
+
+def plan_run(
+    group_lengths: Sequence[Sequence[int]],
+    group_labels: Sequence[Sequence[int]],
+    world_size: int,
+    batching: Batching,
+    train_batch_size: int,
+    max_epochs: int,
+    max_steps: int | None,
+    seed: int,
+) -> list[list[RankStep]]:
+    """Every step of the run, as each rank sees it: ``plan_run(...)[rank][global_step]``.
+
+    ``group_lengths[i]`` / ``group_labels[i]``: tokens and label tokens of
+    sample i's segments.
+    """
+    last = total_steps(len(group_lengths), train_batch_size, max_epochs, max_steps)
+    ranks: list[list[RankStep]] = [[] for _ in range(world_size)]
+    epoch = 0
+    while len(ranks[0]) < last:
+        for index, sample_ids in enumerate(epoch_steps(len(group_lengths), train_batch_size, seed, epoch)):
+            if len(ranks[0]) == last:
+                break
+            step = plan_step(sample_ids, group_lengths, world_size, batching.max_tokens, batching.micro_batch_size)
+            labels = tuple(map(sum, zip(*(group_labels[i] for i in sample_ids))))
+            rows = sum(len(mbs) for mbs in step.rank_micro_batches)
+            for rank, micro_batches in enumerate(step.rank_micro_batches):
+                ranks[rank].append(RankStep(epoch, index, micro_batches, len(sample_ids),
+                                            step.real_tokens(group_lengths), labels, rows, batching.max_tokens))
+        epoch += 1
+    return ranks
+
+
+def plan_scoring(group_lengths: Sequence[Sequence[int]], world_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """Every sample once, packed into rows of ``max_tokens`` (at least the longest group), dealt to ranks."""
+    cap = max([max_tokens] + [sum(lengths) for lengths in group_lengths])
+    return plan_step(range(len(group_lengths)), group_lengths, world_size, max_tokens=cap).rank_micro_batches

@@ -52,6 +52,7 @@ side with the demo tokenizer take 8 s, 85% of it in ``encode_batch``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -83,6 +84,7 @@ class PreferencePair:
     chosen: list[int]
     rejected: list[int]
     source: str
+    row: int = field(default=-1, compare=False)  # index in the Rows it was tokenized from
 
     def segments(self, sample_index: int) -> list[Segment]:
         """[prompt+chosen (role CHOSEN), prompt+rejected (role REJECTED)], targets on the completion only."""
@@ -117,6 +119,7 @@ class _Rendered:
     texts: tuple[str, str, str]  # prompt, prompt + chosen, prompt + rejected
     chat: bool
     source: str
+    row: int = -1
 
 
 def tokenize_pairs(
@@ -128,6 +131,7 @@ def tokenize_pairs(
     max_len: int = 2048,
     overlength: str = "truncate",
     skip_bad_samples: bool = False,
+    warn: bool = True,
 ) -> tuple[list[PreferencePair], PreferenceReport]:
     """Tokenize preference rows as TRL 1.16's DPOTrainer does (see the module docstring).
 
@@ -153,8 +157,9 @@ def tokenize_pairs(
         prompt_tails += len(pair.prompt) < len(prompt_ids)
         pair = _fit_length(pair, max_len, overlength, report)
         if pair is not None:
+            pair.row = row.row
             pairs.append(pair)
-    if prompt_tails:
+    if prompt_tails and warn:  # workers re-tokenizing their micro-batches pass warn=False: the driver warned
         logger.warning("%d pairs: the tokenized prompt is not a prefix of prompt+completion (a BPE merge or the chat "
                        "template); its tail is left out of the sequence, as TRL does", prompt_tails)
     if not pairs:
@@ -172,10 +177,10 @@ def _check_args(max_len: int, overlength: str) -> None:
 def _render_rows(rows: Rows, tokenizer, keys: dict, skip: bool, report: PreferenceReport) -> list[_Rendered]:
     """The texts to tokenize for every good row; bad rows raise or are counted in ``report.skipped``."""
     rendered = []
-    for row, source in zip(rows.rows, rows.sources):
+    for index, (row, source) in enumerate(zip(rows.rows, rows.sources)):
         try:
             values = [_field(row, source, keys[name], name) for name in FIELDS]
-            rendered.append(_render(tokenizer, *values, source, keys))
+            rendered.append(dataclasses.replace(_render(tokenizer, *values, source, keys), row=index))
         except DataError as err:
             skip_or_raise(err, skip, report.skipped)
     return rendered

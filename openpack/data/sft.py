@@ -34,6 +34,7 @@ class SFTSample:
     tokens: list[int]
     targets: list[bool]
     source: str
+    row: int = field(default=-1, compare=False)  # index in the Rows it was tokenized from
 
 
 @dataclass
@@ -77,12 +78,14 @@ def tokenize_sft(
     """
     _check_args(tokenizer, apply_chat_template, max_len, overlength)
     report = TokenizeReport(truncated=0, dropped=0, skipped=Counter())  # load-time skips stay in rows.skipped
-    texts, sources = _format_rows(rows, tokenizer, input_key, output_key, apply_chat_template, skip_bad_samples, report)
+    texts, sources, row_ids = _format_rows(rows, tokenizer, input_key, output_key, apply_chat_template,
+                                           skip_bad_samples, report)
     prompts, responses = _encode_pairs(tokenizer, texts, apply_chat_template)
     samples = []
-    for prompt_ids, response_ids, source in zip(prompts, responses, sources):
+    for prompt_ids, response_ids, source, row in zip(prompts, responses, sources, row_ids):
         sample = _fit_length(prompt_ids, response_ids, source, max_len, overlength, report)
         if sample is not None:
+            sample.row = row
             samples.append(sample)
     if not samples:
         raise _nothing_left(len(rows), max_len, report)
@@ -102,9 +105,9 @@ def _check_args(tokenizer, apply_chat_template: bool, max_len: int, overlength: 
 
 
 def _format_rows(rows, tokenizer, input_key, output_key, apply_chat_template, skip, report):
-    """(prompt text, response text) per good row, with its source; bad rows raise or are counted."""
-    texts, sources = [], []
-    for row, source in zip(rows.rows, rows.sources):
+    """(prompt text, response text) per good row, with its source and index; bad rows raise or are counted."""
+    texts, sources, row_ids = [], [], []
+    for index, (row, source) in enumerate(zip(rows.rows, rows.sources)):
         try:
             prompt = _field(row, source, input_key, "--input_key", allow_messages=apply_chat_template)
             response = _field(row, source, output_key, "--output_key", allow_messages=False)
@@ -120,7 +123,8 @@ def _format_rows(rows, tokenizer, input_key, output_key, apply_chat_template, sk
             continue
         texts.append(pair)
         sources.append(source)
-    return texts, sources
+        row_ids.append(index)
+    return texts, sources, row_ids
 
 
 def _field(row: dict, source: str, key: str, flag: str, allow_messages: bool):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ def init_distributed() -> DistInfo:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
+    # DeepSpeed's ZeRO calls these on every step; torch 2.13's deprecation notice would flood the console.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend=backend)

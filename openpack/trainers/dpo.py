@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from openpack.core.batch import CHOSEN
 from openpack.core.logprobs import pair_values, segment_logprobs
 from openpack.core.losses import LossParams, PairLogps, implicit_rewards, pair_losses
+from openpack.core.schedule import RankStep
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo, all_reduce_sum
 from openpack.trainers.batching import MicroBatcher, step_metrics
@@ -64,13 +64,13 @@ def pair_stats(logps: PairLogps, losses: torch.Tensor, beta: float) -> list[floa
     ]
 
 
-def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, sample_ids: list[int], dist: DistInfo) -> dict:
+def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step: RankStep, dist: DistInfo) -> dict:
     start = time.perf_counter()
-    plan = batcher.plan(sample_ids)
-    pairs = len(sample_ids)
-    # The sft term is a token mean over the step (as TRL's is over its batch); every rank can count it.
-    params = dataclasses.replace(objective.params, sft_tokens_per_pair=batcher.label_tokens(sample_ids, CHOSEN) / pairs)
-    micro_batches = batcher.micro_batches(plan, dist.rank)
+    pairs = step.samples
+    # The sft term is a token mean over the step's chosen tokens (as TRL's is over its batch), counted by the plan.
+    chosen_tokens = step.label_tokens[0]  # a pair's segments are (chosen, rejected)
+    params = dataclasses.replace(objective.params, sft_tokens_per_pair=chosen_tokens / pairs)
+    micro_batches = batcher.collate(step.micro_batches)
     sums, grad_norm = [0.0] * len(STATS), None
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
@@ -85,4 +85,4 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, samp
     elapsed = time.perf_counter() - start
     metrics = {name: total / pairs for name, total in zip(STATS, totals)}
     metrics.update(pairs=pairs, pairs_per_s=pairs / elapsed)
-    return {**metrics, **step_metrics(plan, batcher, engine, grad_norm, len(micro_batches), elapsed)}
+    return {**metrics, **step_metrics(step, engine, grad_norm, elapsed)}

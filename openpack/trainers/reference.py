@@ -104,12 +104,11 @@ def load_or_build_cache(path, key: str, num_samples: int, score_all, dist) -> Ca
     return CachedReference(chosen, rejected)
 
 
-def score_dataset(reference: ModelReference, batcher, num_samples: int, dist) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference log-prob sums of every pair; ranks split the packs and sum their results."""
+def score_dataset(reference, batches: list, num_samples: int, dist) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference log-prob sums of every pair; each rank scores its share of the packs, then results are summed."""
     chosen = torch.zeros(num_samples, dtype=torch.float64)
     rejected = torch.zeros(num_samples, dtype=torch.float64)
-    plan = batcher.plan(list(range(num_samples)))
-    for batch in batcher.micro_batches(plan, dist.rank):
+    for batch in batches:
         sums = reference.segment_sums(batch).double().cpu()
         roles, ids = batch.role.cpu(), batch.sample_index.cpu()
         chosen[ids[roles == CHOSEN]] = sums[roles == CHOSEN]

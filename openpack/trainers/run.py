@@ -1,42 +1,36 @@
 """What every training command does around its step: engine, resume, tracking, checkpoints, final model.
 
-A worker prepares its data and a step function; ``TrainingRun`` does the
-rest in the same order for SFT and DPO: DeepSpeed engine -> resume from the
-latest checkpoint -> config.yaml -> tracker -> steps (checkpointing every
-``--save_steps`` and at the end) -> the final HF model in
-``<save_path>/model``.
+The driver tokenizes every row once and plans every rank's steps from the
+lengths (``plan_ranks``); a rank tokenizes only its own samples
+(``own_samples``). A worker prepares its data and a step function;
+``TrainingRun`` does the rest in the same order for SFT and DPO: DeepSpeed
+engine -> resume from the latest checkpoint -> config.yaml -> tracker ->
+steps (checkpointing every ``--save_steps`` and at the end) -> the final HF
+model in ``<save_path>/model``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from openpack.core.schedule import epoch_steps
+from openpack.core.batch import Segment
+from openpack.core.schedule import RankPlan, RankStep, plan_run, plan_scoring
 from openpack.data.loading import DataError, Rows, load_rows
 from openpack.distributed.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine
 from openpack.distributed.process import DistInfo, init_distributed
 from openpack.models.attention import set_attention_backend
 from openpack.models.packed import PackedCausalLM
+from openpack.trainers.batching import batching
 from openpack.trainers.tracking import Tracker
 
 logger = logging.getLogger("openpack")
-
-
-@dataclass
-class LoopConfig:
-    train_batch_size: int
-    max_epochs: int
-    max_steps: int | None
-    seed: int
-    logging_steps: int
-    save_steps: int | None  # None: only at the end
 
 
 @dataclass
@@ -48,60 +42,66 @@ class Position:
     global_step: int = 0
 
 
-def steps_per_epoch(num_samples: int, train_batch_size: int) -> int:
-    return num_samples // train_batch_size
+def plan_ranks(items: list, segments: Callable[[object, int], list[Segment]], datasets: list[str], train_cfg,
+               world_size: int, fingerprint: str = "", scoring: bool = False) -> list[RankPlan]:
+    """The driver's work: every rank's plan for the whole run, from the tokenized samples' lengths.
+
+    ``items`` are every tokenized sample (each with its ``row``); ``segments(item, i)`` makes sample i's
+    segments. ``scoring`` adds each rank's share of one pass over every sample (the reference cache).
+    """
+    per_sample = [segments(item, i) for i, item in enumerate(items)]
+    lengths = [tuple(len(seg.tokens) for seg in segs) for segs in per_sample]
+    labels = [tuple(sum(seg.targets[1:]) for seg in segs) for segs in per_sample]
+    steps = plan_run(lengths, labels, world_size, batching(train_cfg), train_cfg.train_batch_size,
+                     train_cfg.max_epochs, train_cfg.max_steps, train_cfg.seed)
+    if not steps[0]:
+        raise DataError(f"{len(items)} samples make no full step of --train_batch_size "
+                        f"{train_cfg.train_batch_size}; lower --train_batch_size or add data")
+    score = plan_scoring(lengths, world_size, train_cfg.max_tokens_per_gpu) if scoring else [None] * world_size
+    rows = [item.row for item in items]
+    return [RankPlan(steps[r], rows, fingerprint, datasets, score[r]) for r in range(world_size)]
 
 
-def total_steps(num_samples: int, loop: LoopConfig) -> int:
-    full = steps_per_epoch(num_samples, loop.train_batch_size) * loop.max_epochs
-    return min(full, loop.max_steps) if loop.max_steps else full
+def own_samples(plan: RankPlan, rows: Rows, tokenize: Callable[[Rows], list],
+                segments: Callable[[object, int], list[Segment]]) -> dict[int, list[Segment]]:
+    """Tokenize only the rows behind this rank's sample ids; the driver tokenized all of them once, for lengths."""
+    ids = plan.sample_ids()
+    subset = Rows([rows.rows[plan.rows[i]] for i in ids], [rows.sources[plan.rows[i]] for i in ids])
+    items = tokenize(subset)
+    if len(items) != len(ids):
+        raise RuntimeError(f"{len(ids)} rows gave {len(items)} samples here but not in the driver: is the data "
+                           "or the tokenizer different on this node?")
+    return {i: segments(item, i) for i, item in zip(ids, items)}
 
 
-def run_steps(
-    step: Callable[[list[int]], dict],
-    num_samples: int,
-    loop: LoopConfig,
-    tracker,
-    save: Callable[[Position], None],
-    start: Position | None = None,
-) -> Position:
-    """Run ``step(sample_ids) -> metrics`` from ``start`` until max_epochs or max_steps.
+def run_steps(step: Callable[[RankStep], dict], steps: list[RankStep], logging_steps: int, save_steps: int | None,
+              tracker, save: Callable[[Position], None], start: Position | None = None) -> Position:
+    """Run ``step(planned) -> metrics`` over the planned steps from ``start`` on.
 
-    Shared by every trainer: the epoch order, the position a checkpoint
-    resumes from, logging and ``save`` (a checkpoint at a position) live here.
+    Shared by every trainer: the position a checkpoint resumes from, logging
+    and ``save`` (a checkpoint at a position) live here.
     """
     position = start or Position()
-    last = total_steps(num_samples, loop)
-    while position.epoch < loop.max_epochs and position.global_step < last:
-        steps = epoch_steps(num_samples, loop.train_batch_size, loop.seed, position.epoch)
-        while position.step_in_epoch < len(steps) and position.global_step < last:
-            metrics = step(steps[position.step_in_epoch])
-            position.step_in_epoch += 1
-            position.global_step += 1
-            if position.global_step % loop.logging_steps == 0 or position.global_step == last:
-                tracker.log(position.global_step, {"epoch": position.epoch, **metrics})
-            if loop.save_steps and position.global_step % loop.save_steps == 0 and position.global_step < last:
-                save(position)
-        if position.step_in_epoch >= len(steps):
-            position.epoch += 1
-            position.step_in_epoch = 0
+    last = len(steps)
+    for planned in steps[position.global_step:]:
+        metrics = step(planned)
+        position = Position(planned.epoch, planned.index + 1, position.global_step + 1)
+        if position.global_step % logging_steps == 0 or position.global_step == last:
+            tracker.log(position.global_step, {"epoch": planned.epoch, **metrics})
+        if save_steps and position.global_step % save_steps == 0 and position.global_step < last:
+            save(position)
     save(position)
     return position
 
 
 class TrainingRun:
-    """One run of ``num_samples`` samples (or pairs) with the shared model, train and output flags."""
+    """One run of this rank's planned steps with the shared model, train and output flags."""
 
-    def __init__(self, model, tokenizer, num_samples: int, model_cfg, train_cfg, out_cfg, dist: DistInfo,
+    def __init__(self, model, tokenizer, plan: RankPlan, model_cfg, train_cfg, out_cfg, dist: DistInfo,
                  save_config: Callable[[Path], None] | None = None):
-        self.tokenizer, self.dist, self.num_samples, self.out_cfg = tokenizer, dist, num_samples, out_cfg
+        self.tokenizer, self.dist, self.plan, self.out_cfg = tokenizer, dist, plan, out_cfg
         self.save_path = Path(out_cfg.save_path)
-        self.loop = LoopConfig(train_cfg.train_batch_size, train_cfg.max_epochs, train_cfg.max_steps,
-                               train_cfg.seed, out_cfg.logging_steps, out_cfg.save_steps)
-        steps = total_steps(num_samples, self.loop)
-        if steps == 0:
-            raise DataError(f"{num_samples} samples make no full step of --train_batch_size "
-                            f"{self.loop.train_batch_size}; lower --train_batch_size or add data")
+        steps = len(plan.steps)
         self.engine = create_engine(PackedCausalLM(model), optim_config(train_cfg, steps), zero_config(model_cfg),
                                     dist.world_size)
         self.ckpt_path = Path(out_cfg.ckpt_path or self.save_path / "checkpoints")
@@ -124,10 +124,11 @@ class TrainingRun:
         save_checkpoint(self.engine, self.tokenizer, self.ckpt_path, at.global_step, asdict(at),
                         self.out_cfg.max_ckpt_num, self.dist.is_main)
 
-    def train(self, step: Callable[[list[int]], dict]) -> Position:
+    def train(self, step: Callable[[RankStep], dict]) -> Position:
         """Run the steps, then write the final model; returns where training ended."""
         self.engine.train()
-        self.position = run_steps(step, self.num_samples, self.loop, self.tracker, self.save, self.position)
+        self.position = run_steps(step, self.plan.steps, self.out_cfg.logging_steps, self.out_cfg.save_steps,
+                                  self.tracker, self.save, self.position)
         save_hf_model(self.engine, self.tokenizer, self.save_path / "model", self.dist.is_main)
         self.tracker.message(f"model saved to {self.save_path / 'model'}")
         return self.position

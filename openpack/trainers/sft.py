@@ -15,15 +15,15 @@ import time
 
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo, all_reduce_sum
+from openpack.core.schedule import RankStep
 from openpack.trainers.batching import MicroBatcher, step_metrics
 
 
-def train_step(engine, batcher: MicroBatcher, sample_ids: list[int], dist: DistInfo) -> dict:
+def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo) -> dict:
     """Forward/backward over this rank's micro-batches of one step, then one optimizer step."""
     start = time.perf_counter()
-    plan = batcher.plan(sample_ids)
-    denominator = batcher.label_tokens(sample_ids)
-    micro_batches = batcher.micro_batches(plan, dist.rank)
+    (denominator,) = step.label_tokens  # the step's loss tokens over every rank, from the plan
+    micro_batches = batcher.collate(step.micro_batches)
     nll_sum, grad_norm = 0.0, None
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
@@ -42,6 +42,6 @@ def train_step(engine, batcher: MicroBatcher, sample_ids: list[int], dist: DistI
     return {
         "loss": global_nll / denominator,
         "loss_tokens": denominator,
-        "samples": len(sample_ids),
-        **step_metrics(plan, batcher, engine, grad_norm, len(micro_batches), elapsed),
+        "samples": step.samples,
+        **step_metrics(step, engine, grad_norm, elapsed),
     }

@@ -1,9 +1,12 @@
-"""What one rank runs for ``openpack train_sft``, set up in dependency order.
+"""What ``openpack train_sft`` runs: the driver's plan (``plan_sft``) and each rank's training (``run_sft``).
 
-process group -> tokenizer and model -> data -> micro-batcher -> the shared
-run (engine, resume, tracker, checkpoints; ``trainers/run.py``) -> (demo:
-held-out accuracy) -> train -> final model -> (demo: accuracy again). The same function runs in one process, under
-torchrun, or in a Ray actor; it reads its rank from the process group.
+driver: tokenizer -> rows -> tokenize every row once -> plan every rank's
+steps from the lengths. rank: process group -> tokenizer and model -> rows
+-> tokenize its own samples -> the shared run (engine, resume, tracker,
+checkpoints; ``trainers/run.py``) -> (demo: held-out accuracy) -> train ->
+final model -> (demo: accuracy again). The same function runs in one
+process, under torchrun (each rank then plans for itself), or in a Ray
+actor; it reads its rank from the process group.
 
 The config objects are the ``train_sft`` command's dataclasses, read by
 attribute only (this layer never imports the CLI).
@@ -16,44 +19,43 @@ import logging
 from pathlib import Path
 
 from openpack.core.batch import Segment
-from openpack.data.sft import tokenize_sft
+from openpack.core.schedule import RankPlan
+from openpack.data.demo_tokenizer import build_demo_tokenizer
+from openpack.data.sft import SFTSample, tokenize_sft
 from openpack.distributed.process import barrier
+from openpack.models.loading import load_tokenizer
 from openpack.trainers import demo
 from openpack.trainers.batching import MicroBatcher
-from openpack.trainers.run import TrainingRun, load_data_rows, start_worker
+from openpack.trainers.run import TrainingRun, load_data_rows, own_samples, plan_ranks, start_worker
 from openpack.trainers.sft import train_step
 
 logger = logging.getLogger("openpack")
 
 
-def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None) -> int:
-    dist = start_worker(model_cfg, train_cfg.seed)
-    save_path = Path(out_cfg.save_path)
-    is_demo = model_cfg.pretrain is None
-    tokenizer, model = demo.tokenizer_and_model(model_cfg, train_cfg.seed)
-    model.to(dist.device)
-
-    datasets = data_cfg.dataset or demo.write_sft_data(save_path, dist.is_main)
-    barrier()
+def plan_sft(model_cfg, data_cfg, train_cfg, out_cfg, world_size: int, is_main: bool = True) -> list[RankPlan]:
+    """Tokenize every row once (for lengths and bad-row errors) and plan each rank's steps."""
+    tokenizer = load_tokenizer(model_cfg.pretrain) if model_cfg.pretrain else build_demo_tokenizer()
+    datasets = data_cfg.dataset or demo.write_sft_data(Path(out_cfg.save_path), is_main)
+    barrier()  # torchrun: rank 0 wrote the demo data
     rows = load_data_rows(datasets, data_cfg, train_cfg.seed)
-    samples, report = tokenize_sft(
-        rows, tokenizer, data_cfg.input_key, data_cfg.output_key, data_cfg.apply_chat_template,
-        data_cfg.max_len, data_cfg.overlength_policy, data_cfg.skip_bad_samples,
-    )
+    samples, report = _tokenize(rows, tokenizer, data_cfg, data_cfg.skip_bad_samples)
     skipped = dict(rows.skipped + report.skipped) or "none"
     logger.info("data: %d samples (%d truncated, %d dropped over --max_len %d; skipped: %s)",
                 len(samples), report.truncated, report.dropped, data_cfg.max_len, skipped)
+    return plan_ranks(samples, _segments, datasets, train_cfg, world_size)
 
-    batcher = MicroBatcher(
-        segments=lambda i: [Segment(samples[i].tokens, samples[i].targets, sample_index=i)],
-        group_lengths=[(len(s.tokens),) for s in samples],
-        world_size=dist.world_size,
-        packing_samples=train_cfg.packing_samples,
-        max_tokens_per_gpu=train_cfg.max_tokens_per_gpu if train_cfg.use_dynamic_batch else None,
-        micro_batch_size=train_cfg.micro_train_batch_size,
-        pad_token_id=tokenizer.pad_token_id or 0,
-    )
-    run = TrainingRun(model, tokenizer, len(samples), model_cfg, train_cfg, out_cfg, dist, save_config)
+
+def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None, plan: RankPlan | None = None) -> int:
+    """One rank's training; ``plan`` is the driver's, or (torchrun) computed here."""
+    dist = start_worker(model_cfg, train_cfg.seed)
+    is_demo = model_cfg.pretrain is None
+    tokenizer, model = demo.tokenizer_and_model(model_cfg, train_cfg.seed)
+    model.to(dist.device)
+    plan = plan or plan_sft(model_cfg, data_cfg, train_cfg, out_cfg, dist.world_size, dist.is_main)[dist.rank]
+    rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
+    samples = own_samples(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False)[0], _segments)
+    batcher = MicroBatcher(samples.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
+    run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config)
     with run.tracker:
         if is_demo:
             _report_accuracy(run.tracker, run.position.global_step, "before", demo.accuracy(model, tokenizer))
@@ -63,7 +65,15 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None) -> int:
     return 0
 
 
+def _tokenize(rows, tokenizer, data_cfg, skip_bad_samples: bool):
+    return tokenize_sft(rows, tokenizer, data_cfg.input_key, data_cfg.output_key, data_cfg.apply_chat_template,
+                        data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples)
+
+
+def _segments(sample: SFTSample, index: int) -> list[Segment]:
+    return [Segment(sample.tokens, sample.targets, sample_index=index)]
+
+
 def _report_accuracy(tracker, step: int, when: str, accuracy: float) -> None:
     tracker.message(f"held-out exact match {when} training: {accuracy:.1%}")
     tracker.log(step, {"eval_exact_match": accuracy})
-

@@ -9,7 +9,7 @@ from openpack.cli import train_sft
 
 def run(tmp_path, pretrain, dataset, *flags):
     return train_sft.main(["--pretrain", pretrain, "--dataset", str(dataset), "--save_path", str(tmp_path / "out"),
-                           "--train_batch_size", "2", "--max_steps", "1", *flags])
+                           "--train_batch_size", "2", "--max_steps", "1", "--launcher", "local", *flags])
 
 
 def write(path, lines):

@@ -9,7 +9,7 @@ from conftest import read_metrics
 
 @pytest.mark.slow
 def test_demo_accuracy_rises(tmp_path, capsys):
-    assert train_sft.main(["--save_path", str(tmp_path)]) == 0
+    assert train_sft.main(["--save_path", str(tmp_path), "--launcher", "local"]) == 0
     out = capsys.readouterr().out
     assert "running the built-in demo" in out and "held-out exact match after training" in out
     evals = [m["eval_exact_match"] for m in read_metrics(tmp_path) if "eval_exact_match" in m]

@@ -18,7 +18,7 @@ from conftest import assert_same_run, read_metrics, write_pairs
 
 COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
           "--lr_scheduler", "constant", "--max_len", "48", "--seed", "1", "--max_norm", "100",
-          "--loss_type", "sigmoid", "--nll_loss_coef", "0.5", "--beta", "0.5"]
+          "--loss_type", "sigmoid", "--nll_loss_coef", "0.5", "--beta", "0.5", "--launcher", "local"]
 LAYOUTS = {
     "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "160"],
     "padded_8x1": ["--micro_train_batch_size", "1"],
@@ -59,7 +59,8 @@ def test_two_ranks_equal_one_rank(reference_run, tmp_path, tiny_pretrain, tiny_r
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "openpack.cli.main", "train_dpo", "--pretrain", tiny_pretrain, "--ref_pretrain", tiny_reference,
-           "--dataset", dpo_jsonl, "--save_path", str(tmp_path / "two"), *COMMON, *LAYOUTS["packed_dynamic"]]
+           "--dataset", dpo_jsonl, "--save_path", str(tmp_path / "two"), *COMMON[:-2], *LAYOUTS["packed_dynamic"]]
+    assert COMMON[-2:] == ["--launcher", "local"]  # left out: under torchrun each process is a rank whatever --launcher says
     result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_run(tmp_path / "two", reference_run)
@@ -106,6 +107,6 @@ def write_rows(path, rows):
 def test_bad_pairs_are_named(row, message, tmp_path, tiny_pretrain, capsys):
     data = write_rows(tmp_path / "pairs.jsonl", [row])
     argv = ["--pretrain", tiny_pretrain, "--dataset", data, "--save_path", str(tmp_path / "out"),
-            "--train_batch_size", "1", "--max_len", "48", "--overlength_policy", "error"]
+            "--train_batch_size", "1", "--max_len", "48", "--overlength_policy", "error", "--launcher", "local"]
     assert train_dpo.main(argv) == 2
     assert message in capsys.readouterr().err

@@ -18,7 +18,7 @@ from openpack.distributed.process import free_port
 from conftest import assert_same_run, read_metrics
 
 COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
-          "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100"]
+          "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100", "--launcher", "local"]
 
 LAYOUTS = {
     "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128"],

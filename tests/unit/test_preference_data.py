@@ -260,6 +260,7 @@ def test_skip_bad_samples_counts_each_reason(tok):
     )
     pairs, report = tokenize_pairs(rows, tok, skip_bad_samples=True)
     assert [p.source for p in pairs] == ["train.jsonl:1", "train.jsonl:7"]
+    assert [p.row for p in pairs] == [0, 6]  # the driver's pair -> row map that ranks re-tokenize from
     assert report.skipped == Counter({
         "missing key 'rejected'": 1, "empty 'chosen'": 1, "non-string 'rejected'": 1,
         "chosen same as rejected": 1, "text mixed with messages": 1,

@@ -84,6 +84,7 @@ def test_bad_rows_are_counted_when_skipping(tok):
     )
     samples, report = tokenize(tok, rows, skip_bad_samples=True)
     assert [s.source for s in samples] == ["train.jsonl:1"]
+    assert [s.row for s in samples] == [0]  # the driver's sample -> row map that ranks re-tokenize from
     assert report.skipped == Counter({"missing key 'prompt'": 1, "non-string 'response'": 1, "empty response": 2})
 
 
