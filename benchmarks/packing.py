@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from openpack.core.packing import plan_packs  # noqa: E402
+from openpack.core.packing import plan_packs
 
 # The ANCHORS "benchmark length mix": shared by every benchmark so numbers compare.
 PROMPT_BASE, PROMPT_MEDIAN, PROMPT_SIGMA = 5, 150, 0.9

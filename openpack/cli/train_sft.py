@@ -95,7 +95,8 @@ class LaunchConfig:
     launcher: str = arg("ray", "ray: one Ray actor per rank; local: this process is the only rank. Under torchrun or the "
                         "deepspeed launcher each process is a rank (from the environment) whatever this says",
                         choices=["ray", "local"])
-    ray_address: str | None = arg(None, "Ray cluster to attach to ('auto': the running one); none: start a local one")
+    ray_address: str | None = arg(None, "Ray cluster to attach to ('auto': the running one); none: $RAY_ADDRESS "
+                                  "(set by ray job submit), else start a local one")
     num_nodes: int = arg(1, "nodes to place ranks on (--launcher ray)")
     num_gpus_per_node: int = arg(1, "ranks per node; on a CPU-only cluster, CPU workers per node (--launcher ray)")
     num_cpus_per_worker: int | None = arg(None, "CPUs reserved for each rank (--launcher ray); none: the node's CPUs / "

@@ -1,7 +1,8 @@
 """Run a worker function on Ray: one actor per DeepSpeed rank, reserved in a placement group.
 
 The driver attaches to a running cluster (``--ray_address auto`` or an
-address) or starts a local one bound to 127.0.0.1. It reserves
+address, or ``RAY_ADDRESS`` as ``ray job submit`` sets it) or starts a local
+one bound to 127.0.0.1. It reserves
 ``num_nodes x num_gpus_per_node`` bundles (GPU bundles where the cluster has
 GPUs; on a CPU-only machine the same flags start that many CPU workers of
 ``num_cpus_per_worker`` CPUs each), starts one actor per bundle, makes rank
@@ -99,8 +100,10 @@ class ReferenceGroup:
 
 
 def connect(ray_address: str | None, cpus_needed: int) -> None:
+    """Attach to ``ray_address`` (or RAY_ADDRESS, which ``ray job submit`` sets), else start a local cluster."""
     import ray
 
+    ray_address = ray_address or os.environ.get("RAY_ADDRESS")
     if ray_address:
         # A cluster on loopback (tests, one machine) must be joined from loopback too, or Ray swaps
         # in the machine's interface address and never reaches the head node.

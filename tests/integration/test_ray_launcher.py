@@ -89,7 +89,9 @@ from ray.cluster_utils import Cluster
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
 cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")  # all traffic stays on loopback
 from openpack.cli import train_dpo
-code = train_dpo.main(sys.argv[1:] + ["--ray_address", cluster.address, "--num_nodes", "2", "--num_gpus_per_node", "1"])
+import os
+os.environ["RAY_ADDRESS"] = cluster.address  # as `ray job submit` sets it for the command
+code = train_dpo.main(sys.argv[1:] + ["--num_nodes", "2", "--num_gpus_per_node", "1"])
 import ray
 ray.shutdown()  # the driver disconnects before the cluster's nodes go
 cluster.shutdown()
