@@ -166,13 +166,13 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, plan
     if launched_by_environment():
         return worker(*worker_args, **kwargs)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if launch_cfg.launcher == "local":
-        return worker(*worker_args, **kwargs, plan=planner(1)[0])
     from openpack.orchestration.ray_launcher import RankDiedError
     from openpack.orchestration.ray_launcher import launch as ray_launch
 
-    plans = planner(launch_cfg.num_nodes * launch_cfg.num_gpus_per_node)
     try:
+        if launch_cfg.launcher == "local":
+            return worker(*worker_args, **kwargs, plan=planner(1)[0])
+        plans = planner(launch_cfg.num_nodes * launch_cfg.num_gpus_per_node)
         return ray_launch(worker, worker_args, kwargs, [{"plan": plan} for plan in plans],
                           num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
                           num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=launch_cfg.ray_address,
@@ -180,8 +180,9 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, plan
     except RankDiedError as err:
         print(f"openpack: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the launcher has already killed every actor and its local cluster
-        print("openpack: interrupted; all Ray workers were stopped", file=sys.stderr)
+    except KeyboardInterrupt:  # the Ray launcher has already killed every actor and its local cluster
+        print("openpack: interrupted" + ("; all Ray workers were stopped" if launch_cfg.launcher == "ray" else ""),
+              file=sys.stderr)
         return 130
 
 
