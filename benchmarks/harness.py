@@ -1,0 +1,388 @@
+"""What the openpack-vs-TRL benchmarks share: scaled data, saved models, measured subprocesses, docs sections.
+
+Every arm of a benchmark runs in a fresh subprocess, so its peak resident
+memory (``ru_maxrss`` of the process itself, recorded as it exits) is that
+arm's alone, and the arms are interleaved (A B A B ...) so that slow drift on
+a shared machine hits each arm alike. The trade-off: each run pays its own
+Python, torch and transformers start-up (5-10 s here), so step timings come
+from each framework's own step timer, skip the first step and never include
+start-up.
+
+Data is the ANCHORS benchmark length mix (``packing.generate_lengths``) with
+every length divided by ``scale``, written as text of the demo tokenizer's
+characters: one character is one token, so the lengths survive tokenization
+exactly in both frameworks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import runpy
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from packing import ROW_CAP, PairLengths, generate_lengths, mix_description
+
+from openpack.data.demo_tokenizer import CHARACTERS
+
+LIBRARIES = ("torch", "transformers", "trl", "deepspeed", "datasets")
+
+
+def scaled_lengths(pairs: int, scale: int, seed: int = 0) -> PairLengths:
+    """The ANCHORS mix with every length divided by ``scale`` (rounded); rows stay <= ROW_CAP / scale.
+
+    Responses keep at least 2 tokens (a character and the eos both frameworks
+    append), so chosen and rejected can always differ.
+    """
+    full = generate_lengths(pairs, seed)
+    row_cap = ROW_CAP // scale
+    prompt = np.maximum(1, np.rint(full.prompt / scale)).astype(np.int64)
+    room = row_cap - prompt
+
+    def response(lengths):
+        return np.minimum(np.maximum(2, np.rint(lengths / scale)), room).astype(np.int64)
+
+    return PairLengths(prompt, response(full.chosen), response(full.rejected))
+
+
+def scaled_mix_description(scale: int) -> str:
+    return f"the ANCHORS benchmark length mix ({mix_description()}) with every length divided by {scale}"
+
+
+def _text(rng: np.random.Generator, length: int) -> str:
+    return "".join(CHARACTERS[i] for i in rng.integers(0, len(CHARACTERS), length))
+
+
+def preference_rows(lengths: PairLengths, seed: int = 0) -> list[dict]:
+    """Rows {prompt, chosen, rejected} of random characters; each response is its length minus the eos.
+
+    The two responses differ in their first character, so no pair is dropped
+    for having equal completions.
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for prompt, chosen, rejected in zip(lengths.prompt, lengths.chosen, lengths.rejected):
+        good, bad = _text(rng, int(chosen) - 1), _text(rng, int(rejected) - 1)
+        if bad[0] == good[0]:
+            bad = CHARACTERS[(CHARACTERS.index(bad[0]) + 1) % len(CHARACTERS)] + bad[1:]
+        rows.append({"prompt": _text(rng, int(prompt)), "chosen": good, "rejected": bad})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@dataclass
+class ModelSpec:
+    """A small Llama built from a config (random init), fp32."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    max_position_embeddings: int = 4096
+
+    def overrides(self) -> dict:
+        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers, "max_position_embeddings": self.max_position_embeddings}
+
+    def describe(self) -> str:
+        head = self.vocab_size * self.hidden_size
+        layers = self.num_hidden_layers * self._layer_params()
+        return (f"Llama, {self.num_hidden_layers} layers, width {self.hidden_size}, MLP {self.intermediate_size}, "
+                f"4 query / 2 KV heads, untied LM head, vocab {self.vocab_size} (the tokenizer uses 46 of them); "
+                f"{(2 * head + layers) / 1e6:.1f}M parameters; the LM head is {head / (head + layers):.0%} of "
+                "the weight matmuls per token")
+
+    def _layer_params(self) -> int:
+        h = self.hidden_size
+        return 2 * h * h + 2 * h * (h // 2) + 3 * h * self.intermediate_size  # q, o; k, v (2 of 4 heads); MLP
+
+
+def save_models(folder: Path, spec: ModelSpec, seeds: list[int]) -> list[Path]:
+    """One saved model folder (weights + demo tokenizer) per seed, loadable by openpack and TRL alike."""
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.tiny import tiny_causal_lm
+
+    tokenizer = build_demo_tokenizer()
+    tokenizer.model_max_length = spec.max_position_embeddings
+    paths = []
+    for seed in seeds:
+        path = folder / f"llama_seed{seed}"
+        # plain "sdpa" in the saved config: TRL loads it as any HF model; openpack loads it with its own attention
+        model = tiny_causal_lm("llama", seed=seed, vocab_size=spec.vocab_size, attn_implementation="sdpa",
+                               **spec.overrides())
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+def subprocess_env(threads: int) -> dict:
+    """The same thread count and no GPU for every arm; the checkout on the path."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "CUDA_VISIBLE_DEVICES": "",
+        "DS_ACCELERATOR": "cpu",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+
+
+@dataclass
+class Measured:
+    returncode: int
+    peak_rss_mb: float  # the process's own peak resident memory
+    wall_s: float
+    log: Path
+
+
+def run_measured(argv: list[str], log: Path, env: dict) -> Measured:
+    """Run ``python ARGV`` (a script and its arguments, or ``-m module ...``) in a fresh process.
+
+    The process records its own peak RSS (``RUSAGE_SELF``) on exit: a child it
+    spawns (DeepSpeed compiling its CPU comm op on a fresh machine runs a
+    1.4 GB compiler) is not counted, as it would be in ``wait4``'s rusage.
+    """
+    report = log.with_suffix(".rss.json")
+    cmd = [sys.executable, __file__, "--peak_rss_to", str(report), *argv]
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        returncode = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                    check=False).returncode
+    wall_s = time.perf_counter() - start
+    peak = json.loads(report.read_text())["peak_rss_mb"] if report.exists() else float("nan")
+    return Measured(returncode, peak, wall_s, log)
+
+
+def _run_and_record_peak_rss(argv: list[str]) -> int:
+    """``harness.py --peak_rss_to FILE (-m MODULE | SCRIPT) ARGS...``: run the target in this process as
+    ``__main__``, then write this process's peak RSS in MiB to FILE."""
+    report, target = Path(argv[1]), argv[2:]
+    code = 1
+    try:
+        if target[0] == "-m":
+            sys.argv = target[1:]
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = target
+            runpy.run_path(target[0], run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        report.write_text(json.dumps({"peak_rss_mb": peak_mb, "returncode": code}))
+    return code
+
+
+def check_run(measured: Measured, what: str) -> None:
+    if measured.returncode != 0:
+        tail = measured.log.read_text()[-3000:]
+        raise RuntimeError(f"{what} exited with {measured.returncode}; log {measured.log}:\n{tail}")
+
+
+def record_trl_steps(trainer, describe_micro_batch) -> list[dict]:
+    """Attach to a TRL trainer; the returned list gets one entry per optimizer step as it trains.
+
+    Each entry holds ``micro_batches`` (``describe_micro_batch(inputs, num_items_in_batch)`` plus
+    the loss ``compute_loss`` returned, for every micro-batch of the step) and
+    ``step_time_s``: the wall time from the end of the previous step (or the
+    start of training) to the end of this one, so it includes TRL's
+    collation, as openpack's ``step_time_s`` includes its planning and collation.
+    """
+    from transformers import TrainerCallback
+
+    steps, pending, clock = [], [], {}
+    original = trainer.compute_loss
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        loss = result[0] if return_outputs else result
+        pending.append({**describe_micro_batch(inputs, num_items_in_batch), "loss": loss.item()})
+        return result
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock["last"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            steps.append({"micro_batches": list(pending), "step_time_s": now - clock["last"]})
+            pending.clear()
+            clock["last"] = now
+
+    trainer.compute_loss = compute_loss
+    trainer.add_callback(StepTimer())
+    return steps
+
+
+def shell_command(cmd: list[str]) -> str:
+    """``-m openpack.cli.main X ...`` shown as the ``openpack X ...`` command it is."""
+    words = [str(w) for w in cmd]
+    if words[:2] == ["-m", "openpack.cli.main"]:
+        words = ["openpack"] + words[2:]
+    return " ".join(words)
+
+
+def run_interleaved(arms: dict, repeats: int) -> list[dict]:
+    """Call ``arms[name](repeat) -> result`` for every arm in turn, ``repeats`` times (A B A B ...).
+
+    Each result gets its arm, repeat and steady-state throughput added, and a progress line is printed.
+    """
+    runs = []
+    for repeat in range(repeats):
+        for arm, run in arms.items():
+            result = run(repeat)
+            result.update(arm=arm, repeat=repeat, **steady_state(result["steps"]))
+            runs.append(result)
+            print(f"  {arm:12s} repeat {repeat}: {result['tokens_per_s']:.0f} real tokens/s, "
+                  f"{result['step_time_s']:.2f} s/step, peak RSS {result['peak_rss_mb']:.0f} MiB, "
+                  f"step-1 loss {result['steps'][0]['loss']:.6f}, run {result['wall_s']:.0f} s", flush=True)
+    return runs
+
+
+def by_arm(runs: list[dict], key: str) -> dict[str, list[float]]:
+    """``{arm: [value of each repeat]}`` for one result key."""
+    values: dict[str, list[float]] = {}
+    for run in runs:
+        values.setdefault(run["arm"], []).append(run[key])
+    return values
+
+
+def steady_state(steps: list[dict]) -> dict:
+    """Throughput over the steps after the first (warm-up: allocator, thread pools, lazy init).
+
+    ``steps``: dicts with tokens, step_time_s and, when known, pairs or samples.
+    """
+    measured = steps[1:] if len(steps) > 1 else steps
+    seconds = sum(s["step_time_s"] for s in measured)
+    result = {"tokens_per_s": sum(s["tokens"] for s in measured) / seconds,
+              "step_time_s": seconds / len(measured), "measured_steps": len(measured)}
+    for key in ("pairs", "samples"):
+        if key in measured[0]:
+            result[f"{key}_per_s"] = sum(s[key] for s in measured) / seconds
+    return result
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    return min(values), statistics.median(values), max(values)
+
+
+def fmt_spread(values: list[float], fmt: str = "{:.0f}") -> str:
+    """``median (min-max)``, or just the value for a single repeat."""
+    low, mid, high = spread(values)
+    if len(values) == 1:
+        return fmt.format(mid)
+    return f"{fmt.format(mid)} ({fmt.format(low)}-{fmt.format(high)})"
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or "CPU"
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = ", ".join(f"{name} {_version(name)}" for name in LIBRARIES)
+    return f"{os.cpu_count()}-core CPU ({cpu}), no GPU; run on {datetime.date.today().isoformat()} with {versions}"
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def docs_outputs(markdown: str | None, chart: Path | None, name: str, smoke: bool) -> tuple[Path | None, Path | None]:
+    """Where a benchmark writes its docs section and chart: docs/benchmarks.md and docs/img/NAME.png by
+    default; nowhere for ``--markdown none``, or under ``--smoke`` (CI never touches docs/) unless a file is named."""
+    if markdown == "none" or (smoke and markdown is None):
+        return None, None
+    markdown = Path(markdown) if markdown else REPO / "docs" / "benchmarks.md"
+    return markdown, chart or markdown.parent / "img" / f"{name}.png"
+
+
+def write_section(doc: Path, name: str, body: str) -> None:
+    """Replace the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` (appended if missing).
+
+    Everything outside the markers, other benchmarks' sections included, is kept as it is.
+    """
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+
+
+@dataclass
+class Panel:
+    """One bar chart: ``series[name][i]`` are the repeats of group ``groups[i]`` (bar = median, whiskers = range)."""
+
+    title: str
+    ylabel: str
+    groups: list[str]
+    series: dict[str, list[list[float]]]
+    label_format: str = "%.0f"  # of the value printed on each bar
+
+
+def save_bar_charts(path: Path, panels: list[Panel], title: str) -> None:
+    # no pyplot: no global backend, no display
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5 * len(panels), 4), dpi=100)
+    FigureCanvasAgg(fig)
+    fig.suptitle(title)
+    for index, panel in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), index + 1)
+        width = 0.8 / len(panel.series)
+        for k, (name, repeats) in enumerate(panel.series.items()):
+            x = np.arange(len(panel.groups)) + (k - (len(panel.series) - 1) / 2) * width
+            mids = [spread(r)[1] if r else 0.0 for r in repeats]
+            errors = [[m - spread(r)[0] if r else 0 for r, m in zip(repeats, mids)],
+                      [spread(r)[2] - m if r else 0 for r, m in zip(repeats, mids)]]
+            bars = ax.bar(x, mids, width, yerr=errors, capsize=3, label=name)
+            ax.bar_label(bars, fmt=panel.label_format, fontsize=7, padding=2)
+        ax.set_xticks(np.arange(len(panel.groups)), panel.groups)
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--peak_rss_to"]:
+    sys.exit(_run_and_record_peak_rss(sys.argv[1:]))
