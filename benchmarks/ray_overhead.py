@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- ray_overhead:begin -->", "<!-- ray_overhead:end -->"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness  # noqa: E402
 
 
 def write_inputs(folder: Path, pairs: int) -> tuple[str, str]:
@@ -110,16 +111,6 @@ def report(results: dict[str, list[dict]], args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{section}{END}\n"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END) + 1:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
@@ -139,7 +130,7 @@ def main() -> None:
     section = report(results, args, command.strip())
     print(section)
     if args.markdown:
-        write_section(args.markdown, section)
+        harness.write_section(args.markdown, "ray_overhead", section)
 
 
 if __name__ == "__main__":

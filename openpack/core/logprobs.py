@@ -3,8 +3,10 @@
 A packed row of T tokens through a vocab of V has T x V logits; at T = 8192
 and V = 128k that is 4 GiB in fp32, more than the model's activations. Here
 logits exist only for ``chunk_tokens`` rows at a time, in the forward and
-again (recomputed) in the backward, so peak extra memory is
-``chunk_tokens x V x 4`` bytes (256 MiB by default at V = 128k), whatever T is.
+again (recomputed) in the backward, and softmax and logsumexp work in the
+chunk's own buffer, so the extra memory is about one chunk of
+``chunk_tokens x V x 4`` bytes (256 MiB by default) plus the head's fp32
+gradient, whatever T is (``benchmarks/logprob_memory.py`` measures it).
 Only tokens that carry a label are projected at all: a DPO prompt costs no
 vocab projection.
 
@@ -41,7 +43,7 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
             end = start + chunk_tokens
             logits = (hidden[start:end] @ weight.T).float()
             picked = logits.gather(1, labels[start:end, None])[:, 0]
-            out[start:end] = picked - torch.logsumexp(logits, dim=-1)
+            out[start:end] = picked - _logsumexp_(logits)
         ctx.save_for_backward(hidden, weight, labels)
         ctx.chunk_tokens = chunk_tokens
         return out
@@ -54,16 +56,27 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             end = start + ctx.chunk_tokens
             logits = (hidden[start:end] @ weight.T).float()
-            grad = torch.softmax(logits, dim=-1).mul_(-grad_out[start:end, None])
+            grad = _softmax_(logits).mul_(-grad_out[start:end, None])  # fp32, in the logits' buffer
             grad.scatter_add_(1, labels[start:end, None], grad_out[start:end, None])
-            grad = grad.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = grad @ weight
             if grad_weight is not None:
-                grad_weight.add_(grad.T.float() @ hidden[start:end].float())
+                grad_weight.addmm_(grad.T, hidden[start:end].float())  # no [V, H] temporary per chunk
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad.to(hidden.dtype) @ weight
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
+
+
+def _logsumexp_(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise logsumexp that overwrites ``logits`` instead of allocating another chunk."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    return logits.sub_(peak).exp_().sum(dim=-1).log_().add_(peak[:, 0])
+
+
+def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise softmax in ``logits``' own buffer."""
+    logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(dim=-1, keepdim=True))
 
 
 def token_logprobs(
