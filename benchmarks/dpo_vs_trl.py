@@ -407,16 +407,16 @@ in the reference. The head is most of this small model's work, so the second cau
 reference and AdamW state (~0.4 GiB) and several hundred MiB of Python and libraries. TRL's CPU head
 allocates tiles of min(positions, 4096) x 32768 fp32 logits (512 MiB each, several alive in the backward),
 and its activations are for 16 padded rows of the longest length; openpack's head works in 2^26-logit
-chunks (256 MiB; about 3.6 of them alive, see the log-prob section) and its activations are for one row of
+chunks (256 MiB; one alive at a time, see the log-prob section) and its activations are for one row of
 at most {setup['max_tokens']} tokens.
 
-**Where openpack still loses time.** Its CPU attention (`openpack/models/attention.py`, `_sdpa_kernel`,
-what `--attn_backend auto` picks on CPU) runs SDPA once per distinct segment length, gathering each group
-with advanced indexing and writing it back with an out-of-place `index_put` over the whole row; the
-backward of every gather allocates and accumulates a full-row gradient. On this long-tailed mix almost
-every segment has its own length, so the extra work grows as (segments x row length). Per step that is
-about {kernel_overhead:.1f} s of openpack's {step_s:.1f} s over plain per-segment slices (the estimate
-above). The overhead is memory traffic, so it grows when other jobs compete for memory bandwidth.
+**The CPU attention kernel.** `openpack/models/attention.py` (`_sdpa_kernel`, what `--attn_backend auto`
+picks on CPU) reorders the row once so that the segments of each length form one block, runs SDPA once per
+distinct length and restores the order: every step is O(row length), forward and backward. On this
+long-tailed mix almost every segment has its own length, so it is close to one SDPA call per segment; the
+estimate above puts it at {kernel_overhead:+.1f} s per step against plain per-segment slices (openpack's step:
+{step_s:.1f} s). An earlier version gathered and scattered each length group over the whole row, which
+cost about 0.8 s per step here (issue 6 notes).
 
 **What does not carry over to a GPU.** There TRL's head is compact, so the head gap closes and what remains
 is padding: at most 2.43x in tokens on this mix, less in time since the optimizer step and fixed costs do

@@ -210,12 +210,12 @@ logits (target: at least 2x). Full logits hold about {full_copies:.1f} copies of
 logits at their peak (the logits, their log-softmax, and the gradient flowing back), so they grow with the row
 and the vocab: {harness.spread(both[-1]['full']['extra_mb'])[1] / 1024:.1f} GiB at vocab {both[-1]['vocab']},
 before any model weights or activations. The chunked head's extra stays between
-{min(chunked_extra):.0f} and {max(chunked_extra):.0f} MiB whatever the vocab: a few chunk-sized buffers (the
-default chunk is 2^26 logits, {chunk_mb:.0f} MiB: the chunk's logits and the temporaries of logsumexp in the
-forward and of softmax in the backward) plus the head's gradient (vocab x {args.hidden} x 4 bytes); by
-construction it does not grow with the row beyond the hidden states' gradient. openpack's module docstring
-(`openpack/core/logprobs.py`) gives the peak extra as one chunk; measured, with the head's gradient, it is
-{min(chunked_extra) / chunk_mb:.1f}-{max(chunked_extra) / chunk_mb:.1f} chunks' worth.{not_run}
+{min(chunked_extra):.0f} and {max(chunked_extra):.0f} MiB whatever the vocab: the head's gradient (vocab x
+{args.hidden} x 4 bytes) and chunk-sized buffers (the default chunk is 2^26 logits, {chunk_mb:.0f} MiB). Only one
+chunk of logits is alive at a time (logsumexp and softmax work in its own buffer, and the head's gradient is
+accumulated with `addmm_`), but the process's resident memory also keeps buffers the allocator has freed and
+not returned, so measured as RSS it is {min(chunked_extra) / chunk_mb:.1f}-{max(chunked_extra) / chunk_mb:.1f}
+chunks' worth. By construction it does not grow with the row beyond the hidden states' gradient.{not_run}
 
 **Time.** The memory is paid for in time: the chunked head is {min(slowdowns):.2f}-{max(slowdowns):.2f}x slower
 here ({time_ratio:.2f}x at vocab {mid['vocab']}), because its backward recomputes each chunk's logits (four

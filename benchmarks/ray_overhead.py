@@ -101,9 +101,10 @@ def report(results: dict[str, list[dict]], args, command: str) -> str:
         f"| ray, 1 worker | {spread([r['wall_s'] for r in ray])} | {spread([r['step_s'] for r in ray])} |",
         f"| ray - local, paired | {spread(wall_over)} | {spread(step_over)} |",
         "",
-        f"Per step, Ray costs {statistics.median(step_over) * 1000:+.1f} ms (median of paired differences; "
-        f"ray / local step time {step_ratio:.3f}x): the worker runs the whole training loop inside its actor, "
-        "so nothing crosses Ray between steps. What Ray adds is a fixed cost per command: "
+        f"Per step, the paired difference ray - local is {statistics.median(step_over) * 1000:+.1f} ms (median; "
+        f"ray / local step time {step_ratio:.3f}x), within the run-to-run spread of each launcher: the worker runs "
+        "the whole training loop inside its actor, so nothing crosses Ray between steps. What Ray adds is a fixed "
+        "cost per command: "
         f"{statistics.median(wall_over):.1f} s (median) to start a local cluster, reserve the placement group, "
         "start the actor and tear it all down. The largest difference of a per-step loss between any two runs "
         f"(either launcher) was {loss_diff:.2g}.",

@@ -368,8 +368,7 @@ of the matmul work. Against TRL packed, the whole-row attention above adds to th
 CPU-only: on a GPU with flash-attn, TRL packed computes the same tokens as openpack with varlen attention and
 a compact head, and what is left is packing efficiency (about 0.5%, see the packing section) and fixed costs
 per step, so expect parity there, not {harness.spread(s['speedup_vs_packed'])[1]:.1f}x. openpack's own CPU
-attention kernel costs it time here (gathers and full-row scatters per segment length; see the DPO
-section). Memory: TRL's CPU head allocates min(positions, 4096) x 32768 fp32 tiles (512 MiB each, several
+attention kernel is about as fast as plain per-segment SDPA (see the DPO section). Memory: TRL's CPU head allocates min(positions, 4096) x 32768 fp32 tiles (512 MiB each, several
 alive in the backward), which is why TRL packed (4096-token micro-batches) peaks higher than TRL padded;
 openpack's head chunk is 2^26 logits (256 MiB) and its activations are for one row of at most
 {setup['max_tokens']} tokens.

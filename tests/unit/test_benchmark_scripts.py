@@ -80,3 +80,17 @@ def test_logprob_memory_smoke(tmp_path):
     sums = {r["arm"]: r["logprob_sum"] for r in results["results"]}
     assert sums["chunked"] == pytest.approx(sums["full"], rel=1e-4)
     assert "| 4096 |" in text
+
+
+@pytest.mark.slow
+def test_gpu_mfu_smoke_on_cpu(tmp_path):
+    """The GPU benchmark's code path on a tiny model on CPU: packed rows are all real tokens, padded are not."""
+    doc = tmp_path / "benchmarks.md"
+    cmd = [sys.executable, str(BENCHMARKS / "gpu_mfu.py"), "--smoke", "--markdown", str(doc)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split("|")[2].strip(): line.split("|") for line in doc.read_text().splitlines()
+            if line.startswith("| smoke |")}
+    assert set(rows) == {"packed", "padded"}
+    assert rows["packed"][6].strip() == "100.0%"
+    assert float(rows["padded"][6].strip().rstrip("%")) < 100
