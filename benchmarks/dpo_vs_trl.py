@@ -37,13 +37,12 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
-from harness import ModelSpec, Panel
+from harness import ModelSpec
 
 from openpack.core.packing import plan_packs
 from openpack.core.schedule import epoch_steps
@@ -57,30 +56,12 @@ SECTION = "dpo_vs_trl"
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs_per_step", type=int, default=16, help="pairs per optimizer step (a multiple of 8)")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is warm-up")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each framework, interleaved")
-    parser.add_argument("--scale", type=int, default=4, help="divide every length of the ANCHORS mix by this")
-    parser.add_argument("--vocab", type=int, default=32000, help="model vocab (the tokenizer uses 46 ids)")
-    parser.add_argument("--hidden", type=int, default=256, help="model width")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
-    parser.add_argument("--intermediate", type=int, default=768, help="MLP width")
-    parser.add_argument("--learning_rate", type=float, default=5e-6, help="constant learning rate")
     parser.add_argument("--beta", type=float, default=0.1, help="DPO beta (sigmoid loss)")
-    parser.add_argument("--seed", type=int, default=0, help="data and step-order seed")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="work folder to keep (models, data, logs, results.json); default: a temporary one")
-    parser.add_argument("--markdown", default=None,
-                        help="file whose dpo_vs_trl section to regenerate (default docs/benchmarks.md; none: skip)")
-    parser.add_argument("--chart", type=Path, default=None,
-                        help="PNG chart of tokens/s and peak memory (default: img/dpo_vs_trl.png beside --markdown)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny model, vocab and data, 2 steps, 1 repeat; docs only to a --markdown file")
-    parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
+    harness.add_run_args(parser, SECTION, learning_rate=5e-6)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.pairs_per_step, args.steps, args.repeats, args.scale = 8, 2, 1, 16
-        args.vocab, args.hidden, args.layers, args.intermediate = 512, 32, 2, 64
+        args.pairs_per_step = 8
+        harness.apply_smoke(args)
     args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, SECTION, args.smoke)
     if args.pairs_per_step % TRL_MICRO_BATCH:
         parser.error(f"--pairs_per_step must be a multiple of TRL's micro-batch of {TRL_MICRO_BATCH} pairs")
@@ -428,23 +409,11 @@ of the work and padding is what remains.
 
 
 def charts(path: Path, s: dict) -> None:
-    harness.save_bar_charts(path, [
-        Panel("real tokens / s (higher is better)", "tokens / s", ["DPO"],
-              {arm: [s["tokens_per_s"][arm]] for arm in ARMS}),
-        Panel("peak resident memory (lower is better)", "GiB", ["DPO"],
-              {arm: [[v / 1024 for v in s["peak_rss_mb"][arm]]] for arm in ARMS}, "%.1f"),
-    ], "DPO on CPU: openpack vs TRL 1.16 DPOTrainer")
+    harness.speed_and_memory_charts(path, s, ARMS, "DPO", "DPO on CPU: openpack vs TRL 1.16 DPOTrainer")
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.trl_worker is not None:
-        return trl_worker(args.trl_worker)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        return benchmark(args, args.out)
-    with tempfile.TemporaryDirectory(prefix="dpo_vs_trl_") as work:  # ~1 GB of models and checkpoints
-        return benchmark(args, Path(work))
+    return harness.run_in_work_folder(parse_args(argv), benchmark, trl_worker, "dpo_vs_trl_")
 
 
 def benchmark(args, work: Path) -> int:

@@ -16,6 +16,7 @@ exactly in both frameworks.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -25,6 +26,7 @@ import runpy
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -319,6 +321,35 @@ def _version(name: str) -> str:
         return "(not installed)"
 
 
+def add_run_args(parser, section: str, learning_rate: float) -> None:
+    """The flags dpo_vs_trl and sft_vs_trl share: run length, model shape, machine, outputs."""
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is warm-up")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, interleaved")
+    parser.add_argument("--scale", type=int, default=4, help="divide every length of the ANCHORS mix by this")
+    parser.add_argument("--vocab", type=int, default=32000, help="model vocab (the tokenizer uses 46 ids)")
+    parser.add_argument("--hidden", type=int, default=256, help="model width")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--intermediate", type=int, default=768, help="MLP width")
+    parser.add_argument("--learning_rate", type=float, default=learning_rate, help="constant learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="data and step-order seed")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="work folder to keep (models, data, logs, results.json); default: a temporary one")
+    parser.add_argument("--markdown", default=None,
+                        help=f"file whose {section} section to regenerate (default docs/benchmarks.md; none: skip)")
+    parser.add_argument("--chart", type=Path, default=None,
+                        help=f"PNG chart of tokens/s and peak memory (default: img/{section}.png beside --markdown)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model, vocab and data, 2 steps, 1 repeat; docs only to a --markdown file")
+    parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
+
+
+def apply_smoke(args) -> None:
+    """--smoke: a tiny model and data, 2 steps, 1 repeat."""
+    args.steps, args.repeats, args.scale = 2, 1, 16
+    args.vocab, args.hidden, args.layers, args.intermediate = 512, 32, 2, 64
+
+
 def docs_outputs(markdown: str | None, chart: Path | None, name: str, smoke: bool) -> tuple[Path | None, Path | None]:
     """Where a benchmark writes its docs section and chart: docs/benchmarks.md and docs/img/NAME.png by
     default; nowhere for ``--markdown none``, or under ``--smoke`` (CI never touches docs/) unless a file is named."""
@@ -386,3 +417,24 @@ def save_bar_charts(path: Path, panels: list[Panel], title: str) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--peak_rss_to"]:
     sys.exit(_run_and_record_peak_rss(sys.argv[1:]))
+
+
+def speed_and_memory_charts(path: Path, summary: dict, arms, workload: str, title: str) -> None:
+    """The two panels every framework comparison draws: real tokens/s and peak resident memory per arm."""
+    save_bar_charts(path, [
+        Panel("real tokens / s (higher is better)", "tokens / s", [workload],
+              {arm: [summary["tokens_per_s"][arm]] for arm in arms}),
+        Panel("peak resident memory (lower is better)", "GiB", [workload],
+              {arm: [[v / 1024 for v in summary["peak_rss_mb"][arm]]] for arm in arms}, "%.1f"),
+    ], title)
+
+
+def run_in_work_folder(args, benchmark, trl_worker, prefix: str) -> int:
+    """A comparison's entry: the TRL worker when asked, else ``benchmark(args, work)`` in --out or a temp folder."""
+    if args.trl_worker is not None:
+        return trl_worker(args.trl_worker)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return benchmark(args, args.out)
+    with tempfile.TemporaryDirectory(prefix=prefix) as work:  # ~1 GB of models and checkpoints
+        return benchmark(args, Path(work))

@@ -40,13 +40,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
-from harness import ModelSpec, Panel
+from harness import ModelSpec
 
 from openpack.core.schedule import epoch_steps
 
@@ -59,30 +58,12 @@ SECTION = "sft_vs_trl"
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples_per_step", type=int, default=16, help="rows per optimizer step (multiple of 8)")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is warm-up")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, interleaved")
-    parser.add_argument("--scale", type=int, default=4, help="divide every length of the ANCHORS mix by this")
-    parser.add_argument("--vocab", type=int, default=32000, help="model vocab (the tokenizer uses 46 ids)")
-    parser.add_argument("--hidden", type=int, default=256, help="model width")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
-    parser.add_argument("--intermediate", type=int, default=768, help="MLP width")
-    parser.add_argument("--learning_rate", type=float, default=2e-5, help="constant learning rate (TRL SFT's)")
-    parser.add_argument("--seed", type=int, default=0, help="data and step-order seed")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="work folder to keep (models, data, logs, results.json); default: a temporary one")
-    parser.add_argument("--markdown", default=None,
-                        help="file whose sft_vs_trl section to regenerate (default docs/benchmarks.md; none: skip)")
-    parser.add_argument("--chart", type=Path, default=None,
-                        help="PNG chart of tokens/s and peak memory (default: img/sft_vs_trl.png beside --markdown)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny model, vocab and data, 2 steps, 1 repeat; docs only to a --markdown file")
-    parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
+    harness.add_run_args(parser, SECTION, learning_rate=2e-5)  # TRL SFT's default learning rate
     args = parser.parse_args(argv)
     if args.smoke:
-        args.samples_per_step, args.steps, args.repeats, args.scale = 16, 2, 1, 16
-        args.vocab, args.hidden, args.layers, args.intermediate = 512, 32, 2, 64
-    args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, "sft_vs_trl", args.smoke)
+        args.samples_per_step = 16
+        harness.apply_smoke(args)
+    args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, SECTION, args.smoke)
     if args.samples_per_step % TRL_MICRO_BATCH:
         parser.error(f"--samples_per_step must be a multiple of TRL's micro-batch of {TRL_MICRO_BATCH} rows")
     return args
@@ -376,23 +357,11 @@ openpack's head chunk is 2^26 logits (256 MiB) and its activations are for one r
 
 
 def charts(path: Path, s: dict) -> None:
-    harness.save_bar_charts(path, [
-        Panel("real tokens / s (higher is better)", "tokens / s", ["SFT"],
-              {arm: [s["tokens_per_s"][arm]] for arm in ARMS}),
-        Panel("peak resident memory (lower is better)", "GiB", ["SFT"],
-              {arm: [[v / 1024 for v in s["peak_rss_mb"][arm]]] for arm in ARMS}, "%.1f"),
-    ], "SFT on CPU: openpack vs TRL 1.16 SFTTrainer")
+    harness.speed_and_memory_charts(path, s, ARMS, "SFT", "SFT on CPU: openpack vs TRL 1.16 SFTTrainer")
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.trl_worker is not None:
-        return trl_worker(args.trl_worker)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        return benchmark(args, args.out)
-    with tempfile.TemporaryDirectory(prefix="sft_vs_trl_") as work:  # ~1 GB of models and checkpoints
-        return benchmark(args, Path(work))
+    return harness.run_in_work_folder(parse_args(argv), benchmark, trl_worker, "sft_vs_trl_")
 
 
 def benchmark(args, work: Path) -> int:
