@@ -39,9 +39,12 @@ def init_distributed() -> DistInfo:
     """Initialise torch.distributed through DeepSpeed (idempotent) and return this process's place."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ or _inherited_one_process_group():
+        stale = "RANK" in os.environ
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if stale or "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(free_port())
+        os.environ[_ONE_PROCESS] = f"{os.getpid()}:{os.environ['MASTER_PORT']}"
     import deepspeed
 
     # DeepSpeed's ZeRO calls these on every step; torch 2.13's deprecation notice would flood the console.
@@ -57,6 +60,21 @@ def init_distributed() -> DistInfo:
     else:
         device = torch.device("cpu")
     return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+_ONE_PROCESS = "OPENPACK_ONE_PROCESS_GROUP"  # "pid:port" of the one-process group this process formed
+
+
+def _inherited_one_process_group() -> bool:
+    """True when RANK & co. are a copy of a parent's one-process group (the parent still holds its port).
+
+    DeepSpeed reads these variables after initialisation, so they stay in the
+    environment, and a child process (a subprocess of a test or notebook that
+    trained in-process) inherits them. torchrun and Ray set a new MASTER_PORT,
+    so their ranks never match.
+    """
+    pid, _, port = os.environ.get(_ONE_PROCESS, "").partition(":")
+    return bool(pid) and pid != str(os.getpid()) and port == os.environ.get("MASTER_PORT")
 
 
 def _share_cpu_threads(local_world_size: int) -> None:
