@@ -141,10 +141,15 @@ def save_models(folder: Path, spec: ModelSpec, seeds: list[int]) -> list[Path]:
     return paths
 
 
+# A caller that trained in-process (a test) has these set for its own one-rank group; an arm is its own process.
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "OPENPACK_ONE_PROCESS_GROUP")
+
+
 def subprocess_env(threads: int) -> dict:
-    """The same thread count and no GPU for every arm; the checkout on the path."""
+    """The same thread count and no GPU for every arm; the checkout on the path; no inherited process group."""
     return {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS},
         "OMP_NUM_THREADS": str(threads),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "CUDA_VISIBLE_DEVICES": "",
