@@ -154,11 +154,11 @@ def launched_by_environment() -> bool:
 
 
 def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, planner, reference=None) -> int:
-    """Plan, then run ``worker`` on every rank with the launcher the last config (LaunchConfig) names.
+    """Run ``worker`` on every rank with the launcher the last config (LaunchConfig) names.
 
-    This process is the driver: ``planner(world_size)`` tokenizes the data once and returns each rank's
-    plan, handed to rank r as ``plan=``. Under torchrun or the deepspeed launcher there is no driver:
-    every process is a rank and plans for itself. ``reference`` (train_dpo with --ref_num_nodes)
+    Under Ray this process is the driver: ``planner(world_size)`` tokenizes the data once and returns
+    each rank's plan, handed to rank r as ``plan=``. With ``--launcher local``, torchrun or the deepspeed
+    launcher there is no driver: every process is a rank, plans for itself and trains on what it tokenized. ``reference`` (train_dpo with --ref_num_nodes)
     describes a separate reference actor group (Ray only).
     """
     launch_cfg = configs[-1]
@@ -170,8 +170,8 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, plan
     from openpack.orchestration.ray_launcher import launch as ray_launch
 
     try:
-        if launch_cfg.launcher == "local":
-            return worker(*worker_args, **kwargs, plan=planner(1)[0])
+        if launch_cfg.launcher == "local":  # the worker plans for itself and keeps what it tokenized
+            return worker(*worker_args, **kwargs)
         plans = planner(launch_cfg.num_nodes * launch_cfg.num_gpus_per_node)
         return ray_launch(worker, worker_args, kwargs, [{"plan": plan} for plan in plans],
                           num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,

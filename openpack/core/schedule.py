@@ -43,13 +43,6 @@ class StepPlan:
     def real_tokens(self, group_lengths: Sequence[Sequence[int]]) -> int:
         return sum(sum(group_lengths[i]) for i in self.sample_ids)
 
-    def packing_efficiency(self, group_lengths: Sequence[Sequence[int]]) -> float | None:
-        """Real tokens / (micro-batches x max_tokens); None without a token cap."""
-        if self.max_tokens is None:
-            return None
-        rows = sum(len(mbs) for mbs in self.rank_micro_batches)
-        return self.real_tokens(group_lengths) / (rows * self.max_tokens)
-
 
 @dataclass
 class RankStep:

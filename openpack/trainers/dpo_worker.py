@@ -26,13 +26,18 @@ from openpack.models.packed import PackedCausalLM
 from openpack.trainers import demo, reference
 from openpack.trainers.batching import MicroBatcher
 from openpack.trainers.dpo import PreferenceObjective, dpo_step
-from openpack.trainers.run import TrainingRun, load_data_rows, own_samples, plan_ranks, start_worker
+from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
 
 logger = logging.getLogger("openpack")
 
 
-def plan_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_size: int, demo_model=None,
-             is_main: bool = True) -> list[RankPlan]:
+def plan_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_size: int, demo_model=None) -> list[RankPlan]:
+    """The driver's work: every rank's plan."""
+    return _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_size, demo_model, True)[1]
+
+
+def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_size: int, demo_model,
+                       is_main: bool) -> tuple[list[PreferencePair], list[RankPlan]]:
     """Tokenize every pair once (for lengths and bad-row errors) and plan each rank's steps."""
     tokenizer = load_tokenizer(model_cfg.pretrain or str(demo_model))
     datasets = data_cfg.dataset or demo.write_preference_data(Path(out_cfg.save_path), is_main)
@@ -42,12 +47,12 @@ def plan_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_size: int, 
     logger.info("data: %d pairs (%d truncated, %d dropped over --max_len %d; skipped: %s)", len(pairs),
                 report.truncated, report.dropped, data_cfg.max_len, dict(rows.skipped + report.skipped) or "none")
     scoring = dpo_cfg.ref_logps_cache is not None and needs_reference(dpo_cfg.losses()[0])
-    return plan_ranks(pairs, _segments, datasets, train_cfg, world_size, _fingerprint(pairs), scoring)
+    return pairs, plan_ranks(pairs, _segments, datasets, train_cfg, world_size, _fingerprint(pairs), scoring)
 
 
 def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, save_config=None,
             reference_group=None, plan: RankPlan | None = None) -> int:
-    """One rank's training; ``plan`` is the driver's, or (torchrun) computed here.
+    """One rank's training; ``plan`` is the driver's (Ray), or computed here (one process, torchrun).
 
     ``reference_group`` (Ray, --ref_num_nodes): reference actors elsewhere; ``scorer(rank)`` serves this rank.
     """
@@ -55,11 +60,14 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
     model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing).to(dist.device)
-    plan = plan or plan_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, dist.world_size, demo_model,
-                            dist.is_main)[dist.rank]
-    rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
-    pairs = own_samples(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False, warn=False)[0],
-                        _segments)
+    if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
+        items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, dist.world_size,
+                                          demo_model, dist.is_main)
+        plan = plans[dist.rank]
+    else:  # the driver's plan: tokenize only this rank's rows
+        rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
+        items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False, warn=False)[0])
+    pairs = {i: _segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
     run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config)
 

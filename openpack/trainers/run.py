@@ -2,7 +2,8 @@
 
 The driver tokenizes every row once and plans every rank's steps from the
 lengths (``plan_ranks``); a rank tokenizes only its own samples
-(``own_samples``). A worker prepares its data and a step function;
+(``own_items``). Without a driver (one process, torchrun) a rank plans
+itself and keeps the samples it has just tokenized. A worker prepares its data and a step function;
 ``TrainingRun`` does the rest in the same order for SFT and DPO: DeepSpeed
 engine -> resume from the latest checkpoint -> config.yaml -> tracker ->
 steps (checkpointing every ``--save_steps`` and at the end) -> the final HF
@@ -62,8 +63,7 @@ def plan_ranks(items: list, segments: Callable[[object, int], list[Segment]], da
     return [RankPlan(steps[r], rows, fingerprint, datasets, score[r]) for r in range(world_size)]
 
 
-def own_samples(plan: RankPlan, rows: Rows, tokenize: Callable[[Rows], list],
-                segments: Callable[[object, int], list[Segment]]) -> dict[int, list[Segment]]:
+def own_items(plan: RankPlan, rows: Rows, tokenize: Callable[[Rows], list]) -> dict[int, object]:
     """Tokenize only the rows behind this rank's sample ids; the driver tokenized all of them once, for lengths."""
     ids = plan.sample_ids()
     subset = Rows([rows.rows[plan.rows[i]] for i in ids], [rows.sources[plan.rows[i]] for i in ids])
@@ -71,7 +71,7 @@ def own_samples(plan: RankPlan, rows: Rows, tokenize: Callable[[Rows], list],
     if len(items) != len(ids):
         raise RuntimeError(f"{len(ids)} rows gave {len(items)} samples here but not in the driver: is the data "
                            "or the tokenizer different on this node?")
-    return {i: segments(item, i) for i, item in zip(ids, items)}
+    return dict(zip(ids, items))
 
 
 def run_steps(step: Callable[[RankStep], dict], steps: list[RankStep], logging_steps: int, save_steps: int | None,

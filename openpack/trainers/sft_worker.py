@@ -26,13 +26,19 @@ from openpack.distributed.process import barrier
 from openpack.models.loading import load_tokenizer
 from openpack.trainers import demo
 from openpack.trainers.batching import MicroBatcher
-from openpack.trainers.run import TrainingRun, load_data_rows, own_samples, plan_ranks, start_worker
+from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
 from openpack.trainers.sft import train_step
 
 logger = logging.getLogger("openpack")
 
 
-def plan_sft(model_cfg, data_cfg, train_cfg, out_cfg, world_size: int, is_main: bool = True) -> list[RankPlan]:
+def plan_sft(model_cfg, data_cfg, train_cfg, out_cfg, world_size: int) -> list[RankPlan]:
+    """The driver's work: every rank's plan."""
+    return _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, world_size, is_main=True)[1]
+
+
+def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, world_size: int,
+                       is_main: bool) -> tuple[list[SFTSample], list[RankPlan]]:
     """Tokenize every row once (for lengths and bad-row errors) and plan each rank's steps."""
     tokenizer = load_tokenizer(model_cfg.pretrain) if model_cfg.pretrain else build_demo_tokenizer()
     datasets = data_cfg.dataset or demo.write_sft_data(Path(out_cfg.save_path), is_main)
@@ -42,18 +48,22 @@ def plan_sft(model_cfg, data_cfg, train_cfg, out_cfg, world_size: int, is_main: 
     skipped = dict(rows.skipped + report.skipped) or "none"
     logger.info("data: %d samples (%d truncated, %d dropped over --max_len %d; skipped: %s)",
                 len(samples), report.truncated, report.dropped, data_cfg.max_len, skipped)
-    return plan_ranks(samples, _segments, datasets, train_cfg, world_size)
+    return samples, plan_ranks(samples, _segments, datasets, train_cfg, world_size)
 
 
 def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None, plan: RankPlan | None = None) -> int:
-    """One rank's training; ``plan`` is the driver's, or (torchrun) computed here."""
+    """One rank's training; ``plan`` is the driver's (Ray), or computed here (one process, torchrun)."""
     dist = start_worker(model_cfg, train_cfg.seed)
     is_demo = model_cfg.pretrain is None
     tokenizer, model = demo.tokenizer_and_model(model_cfg, train_cfg.seed)
     model.to(dist.device)
-    plan = plan or plan_sft(model_cfg, data_cfg, train_cfg, out_cfg, dist.world_size, dist.is_main)[dist.rank]
-    rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
-    samples = own_samples(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False)[0], _segments)
+    if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
+        items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dist.world_size, dist.is_main)
+        plan = plans[dist.rank]
+    else:  # the driver's plan: tokenize only this rank's rows
+        rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
+        items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False)[0])
+    samples = {i: _segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(samples.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
     run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config)
     with run.tracker:

@@ -8,7 +8,7 @@ import pytest
 from openpack.core.batch import Segment
 from openpack.core.schedule import Batching, epoch_steps, plan_run, plan_scoring
 from openpack.data.loading import Rows
-from openpack.trainers.run import own_samples, plan_ranks
+from openpack.trainers.run import own_items, plan_ranks
 
 rng = random.Random(0)
 LENGTHS = [(rng.randint(3, 60), rng.randint(3, 60)) for _ in range(50)]  # pairs: (chosen, rejected)
@@ -74,8 +74,8 @@ def test_a_rank_tokenizes_only_its_own_rows():
         seen.append(len(subset))
         return [SimpleNamespace(tokens=[0] * len(r["text"])) for r in subset.rows]
 
-    mine = own_samples(plans[1], rows, tokenize, segments)
+    mine = own_items(plans[1], rows, tokenize)
     assert seen == [len(mine)] and sorted(mine) == plans[1].sample_ids()  # one call, this rank's rows only
-    assert all(len(mine[i][0].tokens) == LENGTHS[i][0] for i in mine)
+    assert all(len(mine[i].tokens) == LENGTHS[i][0] for i in mine)
     assert set(plans[0].sample_ids()).isdisjoint(plans[1].sample_ids())
     assert len(plans[0].sample_ids()) + len(plans[1].sample_ids()) == 48  # 6 full steps of 8 out of 50
