@@ -37,19 +37,45 @@ class ConfigError(ValueError):
 _UNSET = object()  # argparse default, so a flag the user gave is told apart from any value
 
 
-def arg(default: Any, help: str, choices: list | tuple | None = None) -> Any:
-    """A dataclass field with a one-line ``help`` (and optional ``choices``) for ``build_parser``.
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The range a number must lie in; every numeric flag of every command is checked against its own here."""
 
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    below: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+                and (self.at_most is None or value <= self.at_most) and (self.below is None or value < self.below))
+
+    def __str__(self) -> str:
+        parts = [f"{op} {bound:g}" for op, bound in ((">=", self.at_least), (">", self.above), ("<=", self.at_most),
+                                                     ("<", self.below)) if bound is not None]
+        return " and ".join(parts)
+
+
+def arg(default: Any, help: str, choices: list | tuple | None = None, *, at_least: float | None = None,
+        above: float | None = None, at_most: float | None = None, below: float | None = None,
+        special: dict | None = None) -> Any:
+    """A dataclass field with a one-line ``help`` for ``build_parser``, optional ``choices`` and a numeric range.
+
+    ``at_least``/``above``/``at_most``/``below`` bound every value (each item of a list); ``None`` is always
+    allowed for an optional field. ``special`` maps values with a meaning of their own (``{None: "every
+    epoch"}``) to that meaning: it is shown in ``--help`` and logged at start (``special_values``).
     List defaults go through ``default_factory`` so instances never share one list.
     """
-    metadata = {"help": help, "choices": tuple(choices) if choices else None}
+    bounds = Bounds(at_least, above, at_most, below)
+    metadata = {"help": help, "choices": tuple(choices) if choices else None,
+                "bounds": bounds if str(bounds) else None, "special": dict(special or {})}
     if isinstance(default, list):
         return dataclasses.field(default_factory=functools.partial(list, default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
 # scalar is int, float, str or bool; is_list for list[scalar]; optional for `X | None`
-_Spec = collections.namedtuple("_Spec", "name scalar is_list optional default help choices")
+_Spec = collections.namedtuple("_Spec", "name scalar is_list optional default help choices bounds special")
 
 
 def _spec(cls: type, f: dataclasses.Field, hint: Any) -> _Spec:
@@ -66,7 +92,11 @@ def _spec(cls: type, f: dataclasses.Field, hint: Any) -> _Spec:
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     if default is dataclasses.MISSING:
         raise TypeError(f"{where} needs a default; declare it with arg(default, help)")
-    return _Spec(f.name, scalar, is_list, optional, default, f.metadata.get("help", ""), f.metadata.get("choices"))
+    bounds = f.metadata.get("bounds")
+    if bounds is not None and scalar not in (int, float):
+        raise TypeError(f"{where}: a range (at_least, above, ...) needs an int or float field")
+    return _Spec(f.name, scalar, is_list, optional, default, f.metadata.get("help", ""), f.metadata.get("choices"),
+                 bounds, f.metadata.get("special", {}))
 
 
 def _specs(config_classes: tuple[type, ...]) -> dict[str, _Spec]:
@@ -107,6 +137,41 @@ def _check(value: Any, spec: _Spec, where: str) -> Any:
     return value
 
 
+def _shown(value: Any) -> str:
+    """A value as it is typed on the command line (``none`` for None, lists space-separated)."""
+    if value is None:
+        return "none"
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _help_text(spec: _Spec) -> str:
+    """``help (>= 1; none: every epoch; default: none)``: the range and special values a flag takes."""
+    notes = [str(spec.bounds)] if spec.bounds else []
+    notes += [f"{_shown(value)}: {meaning}" for value, meaning in spec.special.items()]
+    return f"{spec.help} ({'; '.join(notes + [f'default: {_shown(spec.default)}'])})"
+
+
+def _check_range(value: Any, spec: _Spec) -> None:
+    """Every number of a field within its bounds; None (an optional field left unset) always passes."""
+    if spec.bounds is None or value is None:
+        return
+    for item in value if spec.is_list else [value]:
+        if not spec.bounds.holds(item):
+            special = "".join(f"; {_shown(v)} means {m}" for v, m in spec.special.items())
+            raise ConfigError(f"--{spec.name} must be {spec.bounds}, got {_shown(value)} ({spec.help}{special})")
+
+
+def special_values(*instances: Any) -> list[str]:
+    """``--max_steps none: train every epoch`` for each field set to a value with a meaning of its own."""
+    lines = []
+    for inst in instances:
+        for f in dataclasses.fields(inst):
+            value, special = getattr(inst, f.name), f.metadata.get("special", {})
+            if f.init and not isinstance(value, list) and value in special:
+                lines.append(f"--{f.name} {_shown(value)}: {special[value]}")
+    return lines
+
+
 class _BoolFlag(argparse.Action):
     """``--name`` sets True, ``--no_name`` sets False (underscores, like every openpack flag)."""
 
@@ -130,15 +195,17 @@ def _cli_type(spec: _Spec):
 
 
 def build_parser(prog: str, description: str, *config_classes: type,
-                 aliases: dict[str, tuple[str, Any]] | None = None) -> argparse.ArgumentParser:
+                 aliases: dict[str, tuple[str, Any]] | None = None, epilog: str | None = None) -> argparse.ArgumentParser:
     """One ``--name`` flag per field of ``config_classes`` (plus ``--config`` and ``aliases``).
 
     Every flag defaults to a private sentinel, so ``parse_config`` can tell which
-    flags the user gave; the help text shows the field's real default.
+    flags the user gave; the help text shows the field's real default, range and
+    special values. ``epilog`` is printed as written after the flags.
     """
     specs = _specs(config_classes)
     # allow_abbrev=False: a typo like --lr must not silently mean --lr_warmup_ratio
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="PATH.yaml", default=None,
                         help="YAML file of option values (flat: field name -> value); flags override it")
     for cls in config_classes:
@@ -146,9 +213,7 @@ def build_parser(prog: str, description: str, *config_classes: type,
         group = parser.add_argument_group(cls.__name__, doc.strip().split("\n")[0] or None)
         for name in (f.name for f in dataclasses.fields(cls) if f.init):
             s = specs[name]
-            shown = " ".join(map(str, s.default)) if isinstance(s.default, list) else s.default  # as typed
-            kw: dict[str, Any] = {"dest": name, "default": _UNSET,
-                                  "help": f"{s.help} (default: {shown})".replace("%", "%%")}
+            kw: dict[str, Any] = {"dest": name, "default": _UNSET, "help": _help_text(s).replace("%", "%%")}
             if s.scalar is bool and not s.is_list:
                 kw["action"] = _BoolFlag
             else:
@@ -202,13 +267,13 @@ def _load_yaml(path: str, specs: dict[str, _Spec]) -> dict[str, Any]:
 
 
 def parse_config(argv: list[str] | None, prog: str, description: str, *config_classes: type,
-                 aliases: dict[str, tuple[str, Any]] | None = None) -> tuple:
+                 aliases: dict[str, tuple[str, Any]] | None = None, epilog: str | None = None) -> tuple:
     """Parse ``argv`` into one instance per class (same order), then call each ``validate()``.
 
-    Defaults < ``--config`` YAML < flags given. Bad YAML and ``validate`` failures
-    raise ``ConfigError``; bad flags exit through argparse (status 2), as usual.
+    Defaults < ``--config`` YAML < flags given. Bad YAML, a number out of its field's range and
+    ``validate`` failures raise ``ConfigError``; bad flags exit through argparse (status 2), as usual.
     """
-    parser = build_parser(prog, description, *config_classes, aliases=aliases)
+    parser = build_parser(prog, description, *config_classes, aliases=aliases, epilog=epilog)
     specs = _specs(config_classes)
     ns = parser.parse_args(argv)
     values = _load_yaml(ns.config, specs) if ns.config else {}
@@ -223,6 +288,10 @@ def parse_config(argv: list[str] | None, prog: str, description: str, *config_cl
         values[name] = given
     instances = tuple(cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
                       for cls in config_classes)
+    for instance in instances:  # ranges first, so validate() sees only numbers in range
+        for f in dataclasses.fields(instance):
+            if f.init:
+                _check_range(getattr(instance, f.name), specs[f.name])
     for instance in instances:
         if callable(getattr(instance, "validate", None)):
             instance.validate()

@@ -19,7 +19,7 @@ from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
 from openpack.cli.train_sft import (DatasetConfig, LaunchConfig, ModelConfig, OutputConfig, TrainConfig,
                                     check_consistency, launch, launched_by_environment, with_demo_defaults)
-from openpack.core.losses import needs_reference
+from openpack.core.losses import LOSS_SUMMARIES, PAIR_LOSSES, needs_reference
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "dpo.yaml"
 
@@ -34,16 +34,21 @@ class PreferenceDataConfig(DatasetConfig):
 @dataclass
 class DPOConfig:
     ref_pretrain: str | None = arg(None, "reference model; default: --pretrain")
-    beta: float = arg(0.1, "strength of the KL penalty towards the reference")
-    loss_type: list[str] = arg(["sigmoid"], "preference losses (see docs/dpo.md); several are summed with --loss_weights")
-    loss_weights: list[float] | None = arg(None, "weight of each --loss_type; default 1 each")
-    label_smoothing: float = arg(0.0, "cDPO / robust DPO: assumed share of flipped preference labels")
-    nll_loss_coef: float = arg(0.0, "adds this weight of the chosen responses' NLL (the sft loss)")
-    simpo_gamma: float = arg(0.5, "SimPO target reward margin")
+    beta: float = arg(0.1, "strength of the KL penalty towards the reference", above=0)
+    loss_type: list[str] = arg(["sigmoid"], "preference losses (listed below); several are summed with --loss_weights",
+                               choices=sorted(PAIR_LOSSES))
+    loss_weights: list[float] | None = arg(None, "weight of each --loss_type", at_least=0,
+                                           special={None: "1 for each --loss_type"})
+    label_smoothing: float = arg(0.0, "cDPO / robust DPO / EXO: assumed share of flipped preference labels",
+                                 at_least=0, below=1)
+    nll_loss_coef: float = arg(0.0, "adds this weight of the chosen responses' NLL (the sft loss)", at_least=0)
+    simpo_gamma: float = arg(0.5, "SimPO target reward margin", at_least=0)
     ref_offload: bool = arg(False, "keep the reference model's parameters on the CPU (ZeRO-3)")
     ref_logps_cache: str | None = arg(None, "file of precomputed reference log-probs: computed once, reused, reference freed")
-    ref_num_nodes: int = arg(0, "0: the reference lives in the policy ranks; N: its own Ray actor group on N nodes")
-    ref_num_gpus_per_node: int = arg(1, "reference ranks per node with --ref_num_nodes (they must divide the policy ranks)")
+    ref_num_nodes: int = arg(0, "nodes of the reference's own Ray actor group", at_least=0,
+                             special={0: "the reference lives in the policy ranks"})
+    ref_num_gpus_per_node: int = arg(1, "reference ranks per node with --ref_num_nodes (they must divide the policy ranks)",
+                                     at_least=1)
 
     def losses(self) -> tuple[list[str], list[float]]:
         """The weighted loss terms: each --loss_type with its weight, and the sft term if --nll_loss_coef."""
@@ -55,13 +60,19 @@ class DPOConfig:
     def validate(self):
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise ConfigError(f"--loss_weights has {len(self.loss_weights)} values for {len(self.loss_type)} --loss_type")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.ref_num_nodes < 0 or self.ref_num_gpus_per_node < 1:
-            raise ConfigError("--ref_num_nodes must be >= 0 and --ref_num_gpus_per_node >= 1")
+        if self.label_smoothing >= 0.5 and set(self.loss_type) & {"sigmoid", "robust", "simpo"}:
+            raise ConfigError(f"--label_smoothing must be < 0.5 for sigmoid, robust and simpo (a share of flipped "
+                              f"labels of 0.5 or more inverts the preference), got {self.label_smoothing}")
+        if self.label_smoothing == 0 and "exo_pair" in self.loss_type:
+            raise ConfigError("--loss_type exo_pair needs --label_smoothing in (0, 1), e.g. 1e-3: EXO's target "
+                              "distribution takes the log of it")
         if self.ref_num_nodes and self.ref_logps_cache:
             raise ConfigError("--ref_logps_cache computes the reference log-probs once and frees the reference; "
                               "a separate reference group (--ref_num_nodes) would sit idle: drop one of them")
+
+
+LOSS_HELP = "loss types (--loss_type; details and formulas in docs/dpo.md):\n" + "\n".join(
+    f"  {name:<13} {LOSS_SUMMARIES[name]}" for name in sorted(PAIR_LOSSES))
 
 
 CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, DPOConfig, LaunchConfig)
@@ -104,7 +115,8 @@ def _check_reference_group(dpo_cfg: DPOConfig, launch_cfg: LaunchConfig) -> None
 def main(argv: list[str] | None = None) -> int:
     argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_dpo", DEMO_CONFIG)
     try:
-        configs = parse_config(argv, "openpack train_dpo", __doc__.split("\n\n")[0], *CONFIGS, aliases=ALIASES)
+        configs = parse_config(argv, "openpack train_dpo", __doc__.split("\n\n")[0], *CONFIGS, aliases=ALIASES,
+                               epilog=LOSS_HELP)
         model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, launch_cfg = configs
         check_consistency(model_cfg, SFTDataConfig(dataset=data_cfg.dataset, max_len=1), train_cfg)
         if train_cfg.use_dynamic_batch and 2 * data_cfg.max_len > train_cfg.max_tokens_per_gpu:

@@ -34,11 +34,12 @@ class DatasetConfig:
     """Where rows come from and how many; shared by every training command."""
 
     dataset: list[str] | None = arg(None, "HF dataset names or local .json/.jsonl/.parquet files or folders")
-    dataset_probs: list[float] | None = arg(None, "sampling probability of each --dataset (sums to 1)")
-    max_len: int = arg(2048, "max tokens per sequence (prompt + response)")
+    dataset_probs: list[float] | None = arg(None, "sampling probability of each --dataset (sums to 1)", above=0,
+                                            special={None: "the datasets are concatenated in order"})
+    max_len: int = arg(2048, "max tokens per sequence (prompt + response)", at_least=2)
     overlength_policy: str = arg("truncate", "sequences over --max_len", choices=["truncate", "drop", "error"])
     skip_bad_samples: bool = arg(False, "skip and count malformed rows instead of stopping with an error")
-    max_samples: int | None = arg(None, "use at most this many samples")
+    max_samples: int | None = arg(None, "use at most this many samples", at_least=1, special={None: "every sample"})
 
 
 @dataclass
@@ -52,26 +53,25 @@ class DataConfig(DatasetConfig):
 class TrainConfig:
     packing_samples: bool = arg(False, "pack several samples into each row (attention isolated per sample)")
     use_dynamic_batch: bool = arg(False, "with --packing_samples: micro-batches are rows of <= --max_tokens_per_gpu tokens")
-    max_tokens_per_gpu: int = arg(16384, "token cap of a packed row under --use_dynamic_batch")
-    micro_train_batch_size: int = arg(1, "samples per micro-batch without --use_dynamic_batch")
-    train_batch_size: int = arg(128, "samples per optimizer step, over all ranks")
-    max_epochs: int = arg(1, "passes over the data")
-    max_steps: int | None = arg(None, "stop after this many optimizer steps")
-    learning_rate: float = arg(5e-6, "peak learning rate (AdamW)")
+    max_tokens_per_gpu: int = arg(16384, "token cap of a packed row under --use_dynamic_batch", at_least=2)
+    micro_train_batch_size: int = arg(1, "samples per micro-batch without --use_dynamic_batch", at_least=1)
+    train_batch_size: int = arg(128, "samples per optimizer step, over all ranks", at_least=1)
+    max_epochs: int = arg(1, "passes over the data", at_least=1)
+    max_steps: int | None = arg(None, "stop after this many optimizer steps", at_least=1,
+                                special={None: "train every step of --max_epochs epochs"})
+    learning_rate: float = arg(5e-6, "peak learning rate (AdamW)", above=0)
     lr_scheduler: str = arg("cosine", "schedule after warmup", choices=["cosine", "linear", "constant"])
-    lr_warmup_ratio: float = arg(0.03, "share of steps spent warming up linearly")
-    min_lr_ratio: float = arg(0.1, "final learning rate as a share of the peak (cosine, linear)")
-    weight_decay: float = arg(0.0, "AdamW weight decay (not on biases and norms)")
-    adam_betas: list[float] = arg([0.9, 0.95], "AdamW betas")
-    max_norm: float = arg(1.0, "gradient clipping norm")
-    seed: int = arg(42, "seed for data order and initialisation")
+    lr_warmup_ratio: float = arg(0.03, "share of steps spent warming up linearly", at_least=0, at_most=1)
+    min_lr_ratio: float = arg(0.1, "final learning rate as a share of the peak (cosine, linear)", at_least=0,
+                              at_most=1)
+    weight_decay: float = arg(0.0, "AdamW weight decay (not on biases and norms)", at_least=0)
+    adam_betas: list[float] = arg([0.9, 0.95], "AdamW betas", at_least=0, below=1)
+    max_norm: float = arg(1.0, "gradient clipping norm", at_least=0, special={0.0: "no gradient clipping"})
+    seed: int = arg(42, "seed for data order and initialisation", at_least=0)
 
     def validate(self):
         if self.use_dynamic_batch and not self.packing_samples:
             raise ConfigError("--use_dynamic_batch needs --packing_samples (dynamic micro-batches are packed rows)")
-        for flag in ("train_batch_size", "micro_train_batch_size", "max_tokens_per_gpu", "max_epochs"):
-            if getattr(self, flag) < 1:
-                raise ConfigError(f"--{flag} must be >= 1, got {getattr(self, flag)}")
         if len(self.adam_betas) != 2:
             raise ConfigError(f"--adam_betas takes two numbers, got {self.adam_betas}")
 
@@ -79,11 +79,12 @@ class TrainConfig:
 @dataclass
 class OutputConfig:
     save_path: str = arg("./runs/sft", "folder for config.yaml, metrics.jsonl, loss.png and the final model")
-    save_steps: int | None = arg(None, "checkpoint every N steps (always at the end)")
+    save_steps: int | None = arg(None, "checkpoint every N steps (always at the end)", at_least=1,
+                                 special={None: "a checkpoint at the end only"})
     ckpt_path: str | None = arg(None, "folder of DeepSpeed checkpoints; default <save_path>/checkpoints")
-    max_ckpt_num: int = arg(3, "checkpoints to keep")
+    max_ckpt_num: int = arg(3, "checkpoints to keep", at_least=1)
     load_checkpoint: bool = arg(False, "resume from the latest checkpoint in --ckpt_path, if any")
-    logging_steps: int = arg(1, "log metrics every N steps")
+    logging_steps: int = arg(1, "log metrics every N steps (and the last)", at_least=1)
     use_wandb: str | None = arg(None, "W&B API key, or 'offline' to log locally without network")
     wandb_project: str = arg("openpack", "W&B project")
     wandb_run_name: str | None = arg(None, "W&B run name")
@@ -97,15 +98,11 @@ class LaunchConfig:
                         choices=["ray", "local"])
     ray_address: str | None = arg(None, "Ray cluster to attach to ('auto': the running one); none: $RAY_ADDRESS "
                                   "(set by ray job submit), else start a local one")
-    num_nodes: int = arg(1, "nodes to place ranks on (--launcher ray)")
-    num_gpus_per_node: int = arg(1, "ranks per node; on a CPU-only cluster, CPU workers per node (--launcher ray)")
-    num_cpus_per_worker: int | None = arg(None, "CPUs reserved for each rank (--launcher ray); none: the node's CPUs / "
-                                          "--num_gpus_per_node")
-
-    def validate(self):
-        for flag in ("num_nodes", "num_gpus_per_node", "num_cpus_per_worker"):
-            if (getattr(self, flag) or 1) < 1:
-                raise ConfigError(f"--{flag} must be >= 1, got {getattr(self, flag)}")
+    num_nodes: int = arg(1, "nodes to place ranks on (--launcher ray)", at_least=1)
+    num_gpus_per_node: int = arg(1, "ranks per node; on a CPU-only cluster, CPU workers per node (--launcher ray)",
+                                 at_least=1)
+    num_cpus_per_worker: int | None = arg(None, "CPUs reserved for each rank (--launcher ray)", at_least=1,
+                                          special={None: "the node's CPUs / --num_gpus_per_node"})
 
 
 CONFIGS = (ModelConfig, DataConfig, TrainConfig, OutputConfig, LaunchConfig)

@@ -87,16 +87,18 @@ class LossParams:
 
 LossFn = Callable[[PairLogps, LossParams], Tensor]
 PAIR_LOSSES: dict[str, LossFn] = {}
+LOSS_SUMMARIES: dict[str, str] = {}  # name -> one line for --help
 REFERENCE_FREE: set[str] = set()
 
 
-def register_loss(name: str, *, reference_free: bool = False) -> Callable[[LossFn], LossFn]:
-    """Decorator: add ``fn(logps, params) -> [P]`` to ``PAIR_LOSSES`` under ``name``."""
+def register_loss(name: str, summary: str, *, reference_free: bool = False) -> Callable[[LossFn], LossFn]:
+    """Decorator: add ``fn(logps, params) -> [P]`` to ``PAIR_LOSSES`` under ``name``, described by ``summary``."""
 
     def add(fn: LossFn) -> LossFn:
         if name in PAIR_LOSSES:
             raise ValueError(f"loss {name!r} is already registered (by {PAIR_LOSSES[name].__name__})")
         PAIR_LOSSES[name] = fn
+        LOSS_SUMMARIES[name] = summary
         if reference_free:
             REFERENCE_FREE.add(name)
         return fn
@@ -173,7 +175,7 @@ def _smoothed_logistic(z: Tensor, eps: float) -> Tensor:
 # TRL 1.16's DPO sigmoid ignores label_smoothing (it documents eps only for
 # robust and exo_pair); here eps > 0 gives conservative DPO (cDPO, Mitchell 2023),
 # as OpenRLHF's --label_smoothing and TRL's CPO "sigmoid" do. eps = 0: identical.
-@register_loss("sigmoid")
+@register_loss("sigmoid", "DPO's logistic loss on the reward margin (Rafailov et al. 2023); --label_smoothing > 0: cDPO")
 def sigmoid_loss(logps: PairLogps, params: LossParams) -> Tensor:
     chosen, rejected = _logratios(logps, "sigmoid")
     return _smoothed_logistic(params.beta * (chosen - rejected), params.label_smoothing)
@@ -184,7 +186,7 @@ def sigmoid_loss(logps: PairLogps, params: LossParams) -> Tensor:
 # TRL's comment), so beta is comparable across lengths; eq. 17 of 2310.12036.
 # TRL counts the unshifted completion_mask: the same as our label tokens unless
 # a response starts at position 0 (an empty prompt).
-@register_loss("ipo")
+@register_loss("ipo", "IPO: squared distance of the length-normalised margin from 1/(2 beta) (Azar et al. 2023)")
 def ipo_loss(logps: PairLogps, params: LossParams) -> Tensor:
     chosen, rejected = _logratios(logps, "ipo")
     delta = _per_token(chosen, logps.chosen_tokens) - _per_token(rejected, logps.rejected_tokens)
@@ -193,7 +195,7 @@ def ipo_loss(logps: PairLogps, params: LossParams) -> Tensor:
 
 # TRL 1.16 dpo_trainer.py, _compute_loss, "hinge": beta scales h inside the
 # hinge, margin 1 (SLiC, 2305.10425); label_smoothing unused.
-@register_loss("hinge")
+@register_loss("hinge", "SLiC's hinge on the margin: max(0, 1 - beta h) (Zhao et al. 2023)")
 def hinge_loss(logps: PairLogps, params: LossParams) -> Tensor:
     chosen, rejected = _logratios(logps, "hinge")
     return torch.relu(1 - params.beta * (chosen - rejected))
@@ -201,7 +203,7 @@ def hinge_loss(logps: PairLogps, params: LossParams) -> Tensor:
 
 # TRL 1.16 dpo_trainer.py, _compute_loss, "robust" (rDPO, 2403.00409):
 # an unbiased estimate of the clean-label loss under flip rate eps.
-@register_loss("robust")
+@register_loss("robust", "robust DPO, unbiased under --label_smoothing flipped labels (Chowdhury et al. 2024)")
 def robust_loss(logps: PairLogps, params: LossParams) -> Tensor:
     eps = params.label_smoothing
     if not 0.0 <= eps < 0.5:
@@ -217,7 +219,7 @@ def robust_loss(logps: PairLogps, params: LossParams) -> Tensor:
 # equal to z up to rounding. TRL's CPO adds cpo_alpha (default 1) times the
 # chosen NLL; that is pair_losses(..., ["simpo", "sft"], [1, cpo_alpha]) here,
 # and pure SimPO is cpo_alpha = 0. TRL divides by the token count without a clamp.
-@register_loss("simpo", reference_free=True)
+@register_loss("simpo", "SimPO: length-normalised margin minus --simpo_gamma, no reference model (Meng et al. 2024)", reference_free=True)
 def simpo_loss(logps: PairLogps, params: LossParams) -> Tensor:
     avg_chosen = _per_token(logps.chosen, logps.chosen_tokens)
     avg_rejected = _per_token(logps.rejected, logps.rejected_tokens)
@@ -233,7 +235,7 @@ def simpo_loss(logps: PairLogps, params: LossParams) -> Tensor:
 # the trainer's global pair mean is the token mean over the whole step, so
 # micro-batching and packing leave it unchanged (TRL's mean of per-micro-batch
 # token means does not). Per-pair values differ from TRL's; only the mean matches.
-@register_loss("sft", reference_free=True)
+@register_loss("sft", "NLL of the chosen responses, a token mean over the step (what --nll_loss_coef adds)", reference_free=True)
 def sft_loss(logps: PairLogps, params: LossParams) -> Tensor:
     tokens = params.sft_tokens_per_pair
     if tokens is None:
@@ -244,7 +246,7 @@ def sft_loss(logps: PairLogps, params: LossParams) -> Tensor:
 
 
 # TRL 1.16 dpo_trainer.py, _compute_loss, "nca_pair" (NCA, 2402.05369).
-@register_loss("nca_pair")
+@register_loss("nca_pair", "NCA: noise-contrastive alignment on absolute rewards (Chen et al. 2024)")
 def nca_pair_loss(logps: PairLogps, params: LossParams) -> Tensor:
     chosen, rejected = _logratios(logps, "nca_pair")
     c, r = params.beta * chosen, params.beta * rejected
@@ -253,7 +255,7 @@ def nca_pair_loss(logps: PairLogps, params: LossParams) -> Tensor:
 
 # TRL 1.16 dpo_trainer.py, _compute_loss, "bco_pair": TRL 1.16 has no running
 # reward-shift delta here, so the loss is per pair.
-@register_loss("bco_pair")
+@register_loss("bco_pair", "BCO: binary classification of chosen vs rejected rewards (Jung et al. 2024)")
 def bco_pair_loss(logps: PairLogps, params: LossParams) -> Tensor:
     chosen, rejected = _logratios(logps, "bco_pair")
     return -F.logsigmoid(params.beta * chosen) - F.logsigmoid(-params.beta * rejected)
@@ -261,7 +263,7 @@ def bco_pair_loss(logps: PairLogps, params: LossParams) -> Tensor:
 
 # TRL 1.16 dpo_trainer.py, _compute_loss, "sppo_hard" (SPPO 2405.00675 with
 # hard win probabilities 1 / 0): log-ratios regressed to +-1 / (2 beta).
-@register_loss("sppo_hard")
+@register_loss("sppo_hard", "SPPO with hard labels: squared rewards towards +-1/(2 beta) (Wu et al. 2024)")
 def sppo_hard_loss(logps: PairLogps, params: LossParams) -> Tensor:
     chosen, rejected = _logratios(logps, "sppo_hard")
     target = 0.5 / params.beta
@@ -270,7 +272,7 @@ def sppo_hard_loss(logps: PairLogps, params: LossParams) -> Tensor:
 
 # TRL 1.16 dpo_trainer.py, _compute_loss, "apo_zero" (APO 2408.06266 eq. 7):
 # chosen better than the model's own output; raise chosen, lower rejected.
-@register_loss("apo_zero")
+@register_loss("apo_zero", "APO-zero: raise chosen, lower rejected likelihood (D'Oosterlinck et al. 2024)")
 def apo_zero_loss(logps: PairLogps, params: LossParams) -> Tensor:
     chosen, rejected = _logratios(logps, "apo_zero")
     return 1 - torch.sigmoid(params.beta * chosen) + torch.sigmoid(params.beta * rejected)
@@ -278,7 +280,7 @@ def apo_zero_loss(logps: PairLogps, params: LossParams) -> Tensor:
 
 # TRL 1.16 dpo_trainer.py, _compute_loss, "apo_down" (APO eq. 8): chosen worse
 # than the model's own output; lower both, rejected more.
-@register_loss("apo_down")
+@register_loss("apo_down", "APO-down: lower both, rejected more (D'Oosterlinck et al. 2024)")
 def apo_down_loss(logps: PairLogps, params: LossParams) -> Tensor:
     chosen, rejected = _logratios(logps, "apo_down")
     return torch.sigmoid(params.beta * chosen) + 1 - torch.sigmoid(params.beta * (chosen - rejected))
@@ -287,7 +289,7 @@ def apo_down_loss(logps: PairLogps, params: LossParams) -> Tensor:
 # TRL 1.16 dpo_trainer.py, _compute_loss, "exo_pair" (EXO 2402.00856 eq. 16):
 # KL(softmax over {chosen, rejected} of beta * log-ratio || [1 - eps, eps]).
 # eps = 0 makes log eps infinite; TRL rejects it in __init__, we reject it here.
-@register_loss("exo_pair")
+@register_loss("exo_pair", "EXO: reverse KL to the label distribution; needs --label_smoothing in (0, 1) (Ji et al. 2024)")
 def exo_pair_loss(logps: PairLogps, params: LossParams) -> Tensor:
     eps = params.label_smoothing
     if not 0.0 < eps < 1.0:
@@ -301,7 +303,7 @@ def exo_pair_loss(logps: PairLogps, params: LossParams) -> Tensor:
 
 # TRL 1.16 dpo_trainer.py, _compute_loss, "sigmoid_norm": DPO on per-token
 # log-ratios (counts from the unshifted completion_mask, as for ipo).
-@register_loss("sigmoid_norm")
+@register_loss("sigmoid_norm", "DPO's logistic loss on the length-normalised margin")
 def sigmoid_norm_loss(logps: PairLogps, params: LossParams) -> Tensor:
     chosen, rejected = _logratios(logps, "sigmoid_norm")
     delta = _per_token(chosen, logps.chosen_tokens) - _per_token(rejected, logps.rejected_tokens)

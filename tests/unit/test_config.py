@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from openpack.cli.config import (
-    ConfigError, arg, build_parser, config_to_dict, parse_config, save_config,
+    ConfigError, arg, build_parser, config_to_dict, parse_config, save_config, special_values,
 )
 
 
@@ -153,3 +153,43 @@ def test_validate_is_called(tmp_path):
         parse(["--max_len", "0"])
     with pytest.raises(ConfigError, match="--max_len must be >= 1, got 0"):
         parse(["--config", write(tmp_path, "max_len: 0\n")])
+
+
+@dataclass
+class RangedArgs:
+    max_steps: int | None = arg(None, "stop after N steps", at_least=1, special={None: "every epoch"})
+    learning_rate: float = arg(1e-5, "peak learning rate", above=0)
+    betas: list[float] = arg([0.9, 0.95], "AdamW betas", at_least=0, below=1)
+    max_norm: float = arg(1.0, "clipping norm", at_least=0, special={0.0: "no clipping"})
+
+
+def test_every_number_is_range_checked_from_flags_and_yaml(tmp_path):
+    """Flags and YAML alike; the message names the flag, the range, the value and what the flag means."""
+    def parse_ranged(argv, cls):
+        return parse_config(argv, "p", "d", cls)
+
+    with pytest.raises(ConfigError, match=r"--max_steps must be >= 1, got 0 \(stop after N steps; none means every epoch\)"):
+        parse_ranged(["--max_steps", "0"], RangedArgs)
+    with pytest.raises(ConfigError, match="--learning_rate must be > 0, got -1"):
+        parse_ranged(["--config", write(tmp_path, "learning_rate: -1\n")], RangedArgs)
+    with pytest.raises(ConfigError, match="--betas must be >= 0 and < 1, got 0.9 1.0"):
+        parse_ranged(["--betas", "0.9", "1.0"], RangedArgs)
+    (ranged,) = parse_ranged(["--max_steps", "None", "--max_norm", "0"], RangedArgs)
+    assert ranged.max_steps is None and ranged.max_norm == 0.0
+
+
+def test_help_and_log_say_what_special_values_mean():
+    help_text = " ".join(build_parser("p", "d", RangedArgs).format_help().split())
+    assert "stop after N steps (>= 1; none: every epoch; default: none)" in help_text
+    assert "clipping norm (>= 0; 0.0: no clipping; default: 1.0)" in help_text
+    assert special_values(RangedArgs(max_norm=0.0)) == ["--max_steps none: every epoch", "--max_norm 0.0: no clipping"]
+    assert special_values(RangedArgs(max_steps=5)) == []
+
+
+def test_a_range_on_a_text_field_is_a_programming_error():
+    @dataclass
+    class Bad:
+        name: str = arg("x", "a name", at_least=1)
+
+    with pytest.raises(TypeError, match="needs an int or float field"):
+        build_parser("p", "d", Bad)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from openpack.core.losses import (
+    LOSS_SUMMARIES,
     PAIR_LOSSES,
     LossParams,
     PairLogps,
@@ -283,16 +284,17 @@ def test_implicit_rewards():
 
 
 def test_register_loss_adds_and_refuses_duplicates():
-    @register_loss("_test_zero", reference_free=True)
+    @register_loss("_test_zero", "always zero", reference_free=True)
     def zero(logps, params):
         return torch.zeros_like(logps.chosen)
 
     try:
         assert PAIR_LOSSES["_test_zero"] is zero and not needs_reference(["_test_zero"])
         with pytest.raises(ValueError, match="already registered"):
-            register_loss("sigmoid")(zero)
+            register_loss("sigmoid", "again")(zero)
     finally:
         PAIR_LOSSES.pop("_test_zero")
+        LOSS_SUMMARIES.pop("_test_zero")
 
 
 # --- TRL 1.16 as the oracle --------------------------------------------------------------------------
