@@ -9,8 +9,6 @@ are reported before and after.
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,14 +78,15 @@ ALIASES = {"--ipo": ("loss_type", ["ipo"])}
 
 
 def demo_sft_model(launch_cfg: LaunchConfig) -> Path:
-    """The SFT demo model DPO starts from: the `openpack train_sft` demo (about 75 s on 2 CPU cores), cached."""
+    """The SFT demo model DPO starts from: the `openpack train_sft` demo, trained once and cached.
+
+    The cache folder is named by a digest of the SFT recipe, the package's code and the library versions
+    (``demo.code_key``), so a model trained by other code is never reused.
+    """
     from openpack.cli import train_sft
     from openpack.trainers import demo
 
-    # Named by the SFT demo recipe, so a changed recipe never reuses a model trained by an old one.
-    recipe_text = train_sft.DEMO_CONFIG.read_bytes() + repr((demo.DEMO_MODEL, demo.TRAIN_SAMPLES)).encode()
-    recipe = hashlib.sha256(recipe_text).hexdigest()[:12]
-    cache = Path(os.environ.get("OPENPACK_CACHE", Path.home() / ".cache" / "openpack")) / f"demo_sft-{recipe}"
+    cache = demo.cache_root() / f"demo_sft-{demo.code_key(train_sft.DEMO_CONFIG)}"
     if not (cache / "model" / "config.json").exists():
         print(f"openpack train_dpo: training the SFT demo model first (cached in {cache})")
         launch_flags = ["--launcher", launch_cfg.launcher] + (["--ray_address", launch_cfg.ray_address]

@@ -8,9 +8,14 @@ problems. Runs offline on 2 CPU cores.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import os
 from pathlib import Path
 
 import torch
+
+import openpack
 
 from openpack.data.demo_task import demo_preference_pairs, demo_samples, exact_match, write_jsonl
 from openpack.data.demo_tokenizer import build_demo_tokenizer
@@ -22,6 +27,30 @@ DEMO_MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, n
 TRAIN_SAMPLES = 8960  # 140 steps of 64 per epoch
 PREFERENCE_SAMPLES = 4096
 EVAL_SAMPLES = 1022  # every held-out problem
+
+
+def code_key(*recipe_files: Path) -> str:
+    """A digest of everything that changes a model the demo trains, to name its cache folder.
+
+    That is the recipe files, every source file of the package (the training path runs through most of
+    them, and a missed one is how a stale demo model once passed CI on one machine and failed on fresh
+    ones), openpack's version and the versions of the libraries that do the numerics. Any change trains
+    the demo model anew (about a minute on 2 CPU cores) rather than reuse one trained by other code.
+    """
+    digest = hashlib.sha256()
+    root = Path(openpack.__file__).resolve().parent
+    for path in [*map(Path, recipe_files), *sorted(root.rglob("*.py"))]:
+        digest.update(str(path.relative_to(root) if path.is_relative_to(root) else path.name).encode())
+        digest.update(path.read_bytes())
+    for library in ("torch", "transformers", "deepspeed"):
+        digest.update(f"{library}=={importlib.metadata.version(library)}".encode())
+    digest.update(f"openpack=={openpack.__version__}".encode())
+    return digest.hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    """Where demo models are cached: ``$OPENPACK_CACHE``, else ``~/.cache/openpack``."""
+    return Path(os.environ.get("OPENPACK_CACHE") or Path.home() / ".cache" / "openpack")
 
 
 def tokenizer_and_model(model_cfg, seed: int):
