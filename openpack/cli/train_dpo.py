@@ -16,8 +16,9 @@ from pathlib import Path
 from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
 from openpack.cli.train_sft import (DatasetConfig, LaunchConfig, ModelConfig, OutputConfig, TrainConfig,
-                                    check_consistency, launch, launched_by_environment, with_demo_defaults)
+                                    check_consistency, save_all, with_demo_defaults)
 from openpack.core.losses import LOSS_SUMMARIES, PAIR_LOSSES, needs_reference
+from openpack.orchestration.launch import launch, launched_by_environment
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "dpo.yaml"
 
@@ -142,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                                    dpo_cfg.ref_num_gpus_per_node)
     try:
         planner = functools.partial(plan_dpo, *configs[:5], demo_model=demo_model)
-        return launch(run_dpo, configs[:-1], {"demo_model": demo_model}, configs, planner, reference=group)
+        return launch(run_dpo, configs[:-1], {"demo_model": demo_model,
+                                                  "save_config": functools.partial(save_all, configs)},
+                      configs, planner, reference=group)
     except (DataError, ModelLoadError) as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2
