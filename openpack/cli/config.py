@@ -194,6 +194,13 @@ def _cli_type(spec: _Spec):
     return convert
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line naming it and where to look, not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser(prog: str, description: str, *config_classes: type,
                  aliases: dict[str, tuple[str, Any]] | None = None, epilog: str | None = None) -> argparse.ArgumentParser:
     """One ``--name`` flag per field of ``config_classes`` (plus ``--config`` and ``aliases``).
@@ -204,8 +211,8 @@ def build_parser(prog: str, description: str, *config_classes: type,
     """
     specs = _specs(config_classes)
     # allow_abbrev=False: a typo like --lr must not silently mean --lr_warmup_ratio
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False, epilog=epilog,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog=prog, description=description, allow_abbrev=False, epilog=epilog,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="PATH.yaml", default=None,
                         help="YAML file of option values (flat: field name -> value); flags override it")
     for cls in config_classes:

@@ -20,6 +20,17 @@ learns faster still (98-99% at 300 steps) but reads oddly.
 The split is by a hash of the prompt, not by position: about 1 problem in 10
 is ``test``, never ``train``, for every ``n`` and ``seed``, so held-out
 accuracy measures generalisation rather than recall.
+
+Two answer forms, so that DPO has something to teach that SFT does not. The
+SFT demo's data answers in the bare form ``"42"`` or the wordy form
+``"it is 42"`` (``WORDY_SHARE``, 7 in 10), so an SFT model answers right but
+wordily under greedy decoding. The preference pairs always choose the bare
+right answer and reject either the wordy form of it or a plausible mistake:
+the preference for the bare form is in no SFT row. On 2 CPU cores (seed 1)
+SFT gives 97.3% right answers, 0.6% of them bare; DPO (with the demo's NLL
+term) then gives 98.4% right, all bare. Without the NLL term DPO also makes
+every answer bare but only 41% right: it lowers the rejected answers'
+likelihood faster than it raises the chosen ones'.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ import tempfile
 import zlib
 
 MAX_OPERAND = 99
+WORDY_FORM = "it is {}"  # the SFT data's other answer form; the preference pairs reject it
+WORDY_SHARE = 0.7  # share of SFT demo answers in the wordy form
 TEST_FRACTION_DENOMINATOR = 10  # crc32(prompt) % 10 == 0 -> test
 SPLITS = ("train", "test")
 
@@ -51,12 +64,13 @@ def _problems(split: str) -> list[tuple[int, int]]:
     return [(a, b) for a in operands for b in operands if _split_of(a, b) == split]
 
 
-def demo_samples(split: str, n: int, seed: int = 0) -> list[dict]:
+def demo_samples(split: str, n: int, seed: int = 0, wordy_share: float = 0.0) -> list[dict]:
     """``n`` samples ``{"prompt": f"{a:02d}+{b:02d}=", "response": str(a + b)}`` from ``split``.
 
-    Deterministic for ``(split, n, seed)``. Problems are drawn without
+    Deterministic for ``(split, n, seed, wordy_share)``. Problems are drawn without
     replacement in a seeded order; past the split's size (~9,000 train,
     ~1,000 test) the order is reshuffled and repeats, like another epoch.
+    A seeded ``wordy_share`` of the responses take the wordy form (``"it is 42"``).
     """
     if n < 0:
         raise ValueError(f"demo_samples: n must be >= 0, got {n}")
@@ -67,7 +81,12 @@ def demo_samples(split: str, n: int, seed: int = 0) -> list[dict]:
         epoch = list(pool)
         rng.shuffle(epoch)
         order.extend(epoch)
-    return [{"prompt": _prompt(a, b), "response": str(a + b)} for a, b in order[:n]]
+    forms = random.Random(f"demo-forms:{split}:{seed}")
+    return [{"prompt": _prompt(a, b), "response": _answer(a + b, forms.random() < wordy_share)} for a, b in order[:n]]
+
+
+def _answer(total: int, wordy: bool) -> str:
+    return WORDY_FORM.format(total) if wordy else str(total)
 
 
 def _wrong_answers(a: int, b: int) -> list[str]:
@@ -85,18 +104,26 @@ def _wrong_answers(a: int, b: int) -> list[str]:
 def demo_preference_pairs(split: str, n: int, seed: int = 0) -> list[dict]:
     """``n`` pairs ``{"prompt", "chosen", "rejected"}`` on the problems of ``demo_samples``.
 
-    ``chosen`` is the right sum; ``rejected`` is one plausible mistake picked
-    with the seed: off by one, the digits swapped, or the carry dropped
-    (``47+38=`` -> ``86``, ``84``, ``58`` or ``75``). ``rejected != chosen``
-    always, so a DPO loss has a signal on every pair.
+    ``chosen`` is the right sum in the bare form; ``rejected`` is, with even
+    odds picked by the seed, the same sum in the wordy form (``"it is 85"``)
+    or one plausible mistake: off by one, the digits swapped, or the carry
+    dropped (``47+38=`` -> ``86``, ``84``, ``58`` or ``75``). ``rejected !=
+    chosen`` always, so a DPO loss has a signal on every pair.
     """
     rng = random.Random(f"demo-pairs:{split}:{seed}")
     pairs = []
     for sample in demo_samples(split, n, seed):
         a, b = (int(x) for x in sample["prompt"].rstrip("=").split("+"))
-        rejected = rng.choice(_wrong_answers(a, b))
+        wordy = rng.random() < 0.5
+        rejected = _answer(a + b, wordy=True) if wordy else rng.choice(_wrong_answers(a, b))
         pairs.append({"prompt": sample["prompt"], "chosen": sample["response"], "rejected": rejected})
     return pairs
+
+
+def answer_rates(predictions: list[str], sums: list[str]) -> tuple[float, float]:
+    """(share of right answers in either form, share that are the right answer in the bare form)."""
+    right = exact_match([p.strip().removeprefix(WORDY_FORM.format("")) for p in predictions], sums)
+    return right, exact_match(predictions, sums)
 
 
 def exact_match(predictions: list[str], references: list[str]) -> float:

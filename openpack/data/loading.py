@@ -104,6 +104,27 @@ def load_rows(
     return Rows([row for row, _ in pairs], [src for _, src in pairs], total_skipped)
 
 
+def check_dataset_files(datasets: list[str]) -> None:
+    """Before anything starts: every --dataset naming a local file or folder exists and can be read.
+
+    Only the first byte of each file is read, so a bad path or permission is reported in a second,
+    not after a cluster and a model have started. Hub datasets are checked when they load.
+    """
+    for spec in datasets:
+        path = os.path.expanduser(spec)
+        if not os.path.exists(path):
+            if _looks_local(spec):
+                raise DataError(f"--dataset {spec}: file not found ({os.path.abspath(path)}); check the path")
+            continue
+        for file in _data_files(spec, path):
+            try:
+                with open(file, "rb") as f:
+                    f.read(1)
+            except OSError as err:
+                raise DataError(f"--dataset {spec}: cannot read {file} ({err.strerror}); check the file's "
+                                "permissions, or pass a file this user can read") from err
+
+
 def _check_probs(datasets: list[str], probs: list[float]) -> None:
     """--dataset_probs: one finite positive weight per dataset, summing to 1 within 1e-6."""
     shown = ", ".join(str(p) for p in probs)

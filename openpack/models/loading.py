@@ -10,24 +10,31 @@ from openpack.models.attention import register_packed_attention
 
 
 class ModelLoadError(ValueError):
-    """--pretrain names nothing loadable; the message says what was tried."""
+    """--pretrain (or --ref_pretrain, ...) names nothing loadable; the message says which flag and what was tried."""
 
 
-def _check_source(pretrain: str) -> None:
+def _check_source(pretrain: str, flag: str) -> None:
     looks_local = pretrain.startswith((".", "/", "~")) or pretrain.count("/") > 1
     if looks_local and not Path(pretrain).expanduser().is_dir():
-        raise ModelLoadError(f"--pretrain {pretrain}: no such folder (a local path must be a saved HF model folder)")
+        raise ModelLoadError(f"{flag} {pretrain}: no such folder (a local path must be a saved HF model folder)")
 
 
-def _from_pretrained(loader, pretrain: str, what: str, **kwargs):
-    _check_source(pretrain)
+def _from_pretrained(loader, pretrain: str, what: str, flag: str = "--pretrain", **kwargs):
+    _check_source(pretrain, flag)
     try:
         return loader.from_pretrained(pretrain, **kwargs)
     except (OSError, ValueError) as err:
         raise ModelLoadError(
-            f"--pretrain {pretrain}: could not load the {what} ({err}); give a local HF model folder, "
+            f"{flag} {pretrain}: could not load the {what} ({err}); give a local HF model folder, "
             "or a hub name on a machine with network access"
         ) from err
+
+
+def load_model_config(pretrain: str, flag: str = "--pretrain"):
+    """Only the model's ``config.json`` (a few KB): how the driver checks a model flag before anything starts."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, pretrain, "config", flag)
 
 
 def load_tokenizer(pretrain: str):
@@ -39,12 +46,12 @@ def load_tokenizer(pretrain: str):
     return tokenizer
 
 
-def load_causal_lm(pretrain: str, bf16: bool = False, gradient_checkpointing: bool = False):
-    """``AutoModelForCausalLM.from_pretrained`` with ``attn_implementation="openpack_varlen"``."""
+def load_causal_lm(pretrain: str, bf16: bool = False, gradient_checkpointing: bool = False, flag: str = "--pretrain"):
+    """``AutoModelForCausalLM.from_pretrained`` with ``attn_implementation="openpack_varlen"``; errors name ``flag``."""
     from transformers import AutoModelForCausalLM
 
     model = _from_pretrained(
-        AutoModelForCausalLM, pretrain, "model",
+        AutoModelForCausalLM, pretrain, "model", flag,
         attn_implementation=register_packed_attention(), dtype=torch.bfloat16 if bf16 else torch.float32,
     )
     return prepare_for_training(model, gradient_checkpointing)

@@ -2,8 +2,9 @@
 
 A 3-layer, width-128 Llama over the 46-token demo tokenizer (about 0.4M
 parameters), trained from random initialisation on 2-digit addition
-(``openpack.data.demo_task``), judged by greedy exact match on held-out
-problems. Runs offline on 2 CPU cores.
+(``openpack.data.demo_task``), judged by greedy decoding of every held-out
+problem: the share of right answers (either answer form) and the share in
+the bare form the preference pairs prefer. Runs offline on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 import openpack
 
-from openpack.data.demo_task import demo_preference_pairs, demo_samples, exact_match, write_jsonl
+from openpack.data.demo_task import WORDY_SHARE, answer_rates, demo_preference_pairs, demo_samples, write_jsonl
 from openpack.data.demo_tokenizer import build_demo_tokenizer
 from openpack.models.loading import load_causal_lm, load_tokenizer, prepare_for_training
 from openpack.models.tiny import tiny_causal_lm
@@ -66,7 +67,8 @@ def tokenizer_and_model(model_cfg, seed: int):
 
 def write_sft_data(save_path: Path, is_main: bool) -> list[str]:
     """The demo's training split as JSONL (so it goes through the normal loader); returns [path]."""
-    return _write_demo_rows(Path(save_path) / "demo_data" / "sft_train.jsonl", demo_samples("train", TRAIN_SAMPLES), is_main)
+    rows = demo_samples("train", TRAIN_SAMPLES, wordy_share=WORDY_SHARE)
+    return _write_demo_rows(Path(save_path) / "demo_data" / "sft_train.jsonl", rows, is_main)
 
 
 def _write_demo_rows(path: Path, rows: list[dict], is_main: bool) -> list[str]:
@@ -76,13 +78,20 @@ def _write_demo_rows(path: Path, rows: list[dict], is_main: bool) -> list[str]:
     return [str(path)]
 
 
-def accuracy(model, tokenizer, n: int = EVAL_SAMPLES) -> float:
-    """Greedy exact match on ``n`` held-out problems."""
+def accuracy(model, tokenizer, n: int = EVAL_SAMPLES) -> dict[str, float]:
+    """Greedy decoding of ``n`` held-out problems: ``eval_exact_match`` (the right sum, in either answer
+    form) and ``eval_bare_answer`` (the right sum in the bare form, as the preference pairs prefer)."""
     from openpack.models.generation import greedy_completions
 
     held_out = demo_samples("test", n)
-    predictions = greedy_completions(model, tokenizer, [s["prompt"] for s in held_out], max_new_tokens=4)
-    return exact_match([p.strip() for p in predictions], [s["response"] for s in held_out])
+    predictions = greedy_completions(model, tokenizer, [s["prompt"] for s in held_out], max_new_tokens=10)
+    right, bare = answer_rates(predictions, [s["response"] for s in held_out])
+    return {"eval_exact_match": right, "eval_bare_answer": bare}
+
+
+def describe(rates: dict[str, float]) -> str:
+    """``right answers 97.3% (0.6% in the bare form)``."""
+    return f"right answers {rates['eval_exact_match']:.1%} ({rates['eval_bare_answer']:.1%} in the bare form)"
 
 
 def write_preference_data(save_path: Path, is_main: bool) -> list[str]:

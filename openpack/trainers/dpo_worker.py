@@ -108,7 +108,8 @@ def build_reference(model_cfg, dpo_cfg, train_cfg, demo_model=None) -> reference
 
 
 def _reference_model(ref_name, model_cfg, dpo_cfg, dist) -> reference.ModelReference:
-    ref_model = load_causal_lm(ref_name, model_cfg.bf16).to(dist.device)
+    flag = "--ref_pretrain" if dpo_cfg.ref_pretrain else "--pretrain"  # an error names the flag the user gave
+    ref_model = load_causal_lm(ref_name, model_cfg.bf16, flag=flag).to(dist.device)
     return reference.ModelReference(
         reference.reference_engine(ref_model, model_cfg.zero_stage, dpo_cfg.ref_offload, model_cfg.bf16), dist.device)
 
@@ -148,12 +149,12 @@ def _fingerprint(pairs) -> str:
 
 
 def _report_demo(tracker, model, tokenizer, eval_pairs, eval_ref, beta, eval_batches, dist, step, when) -> None:
-    """Held-out preference accuracy (implicit reward) and greedy exact match of the demo."""
+    """Held-out preference accuracy (implicit reward) and greedy answers of the demo."""
     was_training = model.training
     policy = reference.score_dataset(reference.ModelReference(PackedCausalLM(model), dist.device), eval_batches,
                                      len(eval_pairs), dist)
     model.train(was_training)
     preference = demo.preference_accuracy(policy, eval_ref, beta)
-    exact = demo.accuracy(model, tokenizer)
-    tracker.message(f"held-out preference accuracy {when} training: {preference:.1%}; exact match: {exact:.1%}")
-    tracker.log(step, {"eval_preference_accuracy": preference, "eval_exact_match": exact})
+    rates = demo.accuracy(model, tokenizer)
+    tracker.message(f"held-out {when} training: preference accuracy {preference:.1%}; {demo.describe(rates)}")
+    tracker.log(step, {"eval_preference_accuracy": preference, **rates})

@@ -84,6 +84,6 @@ def _segments(sample: SFTSample, index: int) -> list[Segment]:
     return [Segment(sample.tokens, sample.targets, sample_index=index)]
 
 
-def _report_accuracy(tracker, step: int, when: str, accuracy: float) -> None:
-    tracker.message(f"held-out exact match {when} training: {accuracy:.1%}")
-    tracker.log(step, {"eval_exact_match": accuracy})
+def _report_accuracy(tracker, step: int, when: str, rates: dict[str, float]) -> None:
+    tracker.message(f"held-out {when} training: {demo.describe(rates)}")
+    tracker.log(step, rates)

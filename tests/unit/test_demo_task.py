@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from openpack.data.demo_task import demo_preference_pairs, demo_samples, exact_match, write_jsonl
+from openpack.data.demo_task import (WORDY_FORM, answer_rates, demo_preference_pairs, demo_samples, exact_match,
+                                     write_jsonl)
 from openpack.data.demo_tokenizer import build_demo_tokenizer
 
 PROMPT = re.compile(r"^(\d\d)\+(\d\d)=$")
@@ -53,16 +54,37 @@ def test_answers_are_the_sums(split):
         assert sample["response"] == str(a + b)
 
 
-def test_preference_pairs_rejected_is_wrong_and_chosen_right():
+def test_wordy_share_of_sft_answers():
+    samples = demo_samples("train", 4000, seed=1, wordy_share=0.7)
+    assert [s["prompt"] for s in samples] == [s["prompt"] for s in demo_samples("train", 4000, seed=1)]
+    wordy = [s for s in samples if not s["response"].isdigit()]
+    assert 0.67 < len(wordy) / len(samples) < 0.73
+    for sample in wordy:
+        a, b = operands(sample["prompt"])
+        assert sample["response"] == f"it is {a + b}"
+
+
+def test_preference_pairs_choose_the_bare_right_answer():
+    """Rejected: the wordy form of the right answer (half) or a bare plausible mistake (half)."""
     pairs = demo_preference_pairs("train", 3000, seed=2)
     assert [p["prompt"] for p in pairs] == [s["prompt"] for s in demo_samples("train", 3000, seed=2)]
+    wordy = [p for p in pairs if not p["rejected"].isdigit()]
+    assert 0.45 < len(wordy) / len(pairs) < 0.55
     for pair in pairs:
         a, b = operands(pair["prompt"])
         assert pair["chosen"] == str(a + b)
         assert pair["rejected"] != pair["chosen"]
-        assert pair["rejected"].isdigit() and not (len(pair["rejected"]) > 1 and pair["rejected"][0] == "0")
-    kinds = {int(p["rejected"]) - int(p["chosen"]) for p in pairs}
+        if pair in wordy:
+            assert pair["rejected"] == WORDY_FORM.format(a + b)
+        else:
+            assert not (len(pair["rejected"]) > 1 and pair["rejected"][0] == "0")
+    kinds = {int(p["rejected"]) - int(p["chosen"]) for p in pairs if p not in wordy}
     assert {1, -1} <= kinds and len(kinds) > 3  # off by one, swapped digits, dropped carries all occur
+
+
+def test_answer_rates_count_either_form_as_right_and_only_bare_as_bare():
+    right, bare = answer_rates(["42", "it is 85", "it is 151", " 7\n"], ["42", "85", "152", "7"])
+    assert (right, bare) == (0.75, 0.5)
 
 
 def test_preference_pair_mistakes_literal():
