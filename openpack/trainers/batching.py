@@ -16,11 +16,16 @@ returns per-token log-probs either way.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from openpack.core.batch import Segment, collate_packed, collate_padded
 from openpack.core.schedule import Batching, RankStep
+
+logger = logging.getLogger("openpack")
 
 
 @dataclass
@@ -47,6 +52,39 @@ def batching(train_cfg) -> Batching:
     if train_cfg.packing_samples and train_cfg.use_dynamic_batch:
         return Batching(max_tokens=train_cfg.max_tokens_per_gpu)
     return Batching(micro_batch_size=train_cfg.micro_train_batch_size)
+
+
+def warn_if_memory_short(model, model_cfg, train_cfg, max_len: int, dist, segments_per_sample: int = 1,
+                         frozen_params: int = 0) -> str | None:
+    """Before the first step: the warning of ``models.memory`` when a micro-batch's tokens cannot fit this device.
+
+    A micro-batch is ``--max_tokens_per_gpu`` tokens under dynamic batching, else ``--micro_train_batch_size``
+    samples of up to ``--max_len`` tokens per segment. ``frozen_params``: a colocated reference model's.
+    """
+    import os
+
+    from openpack.models.memory import budget_warning, device_memory, step_memory
+
+    if train_cfg.packing_samples and train_cfg.use_dynamic_batch:
+        tokens, flag = train_cfg.max_tokens_per_gpu, "--max_tokens_per_gpu"
+    else:
+        tokens, flag = train_cfg.micro_train_batch_size * max_len * segments_per_sample, "--micro_train_batch_size"
+    params = sum(p.numel() for p in model.parameters())
+
+    def need(checkpointing: bool):
+        return step_memory(model.config, params, model_cfg.bf16, checkpointing, model_cfg.zero_stage, dist.world_size,
+                           model_cfg.adam_offload, frozen_params)
+
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if dist.device.type == "cpu":
+        where = "this machine's memory" + (f", shared by {ranks_here} ranks," if ranks_here > 1 else "")
+    else:
+        where = f"{dist.device} ({torch.cuda.get_device_name(dist.device)})"
+    warning = budget_warning(need(model_cfg.gradient_checkpointing), tokens, device_memory(dist.device, ranks_here),
+                             flag, where, None if model_cfg.gradient_checkpointing else need(True))
+    if warning and dist.is_main:
+        logger.warning(warning)
+    return warning
 
 
 def step_metrics(step: RankStep, engine, grad_norm: float, elapsed: float) -> dict:
