@@ -29,19 +29,35 @@ become the same tokens here as in ``DPOTrainer._prepare_dataset`` plus
   the prompt is never cut. ``--overlength_policy truncate`` does the same,
   once at load time instead of per batch (a slice, so the ids are equal).
   Completions that agree on more tokens than the room left become equal
-  sequences after the cut (no signal); TRL keeps such pairs, and so do we.
+  sequences after the cut: TRL keeps such pairs, we drop them (below).
   ``--max_len`` defaults to 2048 here: pass ``--max_len 1024`` (or set
   ``DPOConfig(max_length=2048)``) when comparing with TRL's defaults.
 
-Where we are stricter than TRL: a row with a missing or empty field, a
-non-string value, text mixed with messages, chosen and rejected that
-tokenize to the same completion, or a split leaving the prompt or a
-completion with no token (our segments never train on their first token)
-is an error (or counted with
-``--skip_bad_samples``); TRL would train on it, or fail deep inside
-``datasets.map``. TRL's implicit-prompt rows (no ``prompt`` column, the prompt
-taken as the common start of chosen and rejected) and its ``tools`` /
-``chat_template_kwargs`` columns are not supported: set ``--prompt_key``.
+* **Implicit prompt.** A row without ``--prompt_key`` holds two whole
+  conversations (or texts) in ``chosen`` and ``rejected``; as TRL's
+  ``extract_prompt`` does, their shared leading turns (or characters, less a
+  trailing space) are the prompt and the rest the completions.
+* **OpenRLHF's flags.** ``--apply_chat_template`` makes a text prompt a user
+  turn and text completions assistant turns, which TRL tokenizes as the
+  conversational row they become; ``--input_template`` (``"User: {}\nAssistant: "``)
+  formats a text prompt before anything else.
+
+Where we differ from TRL, on purpose:
+
+* **Pairs identical after truncation are dropped.** Completions that agree
+  on more tokens than ``--max_len`` leaves after the prompt become the same
+  sequence after the cut. TRL keeps such a pair, whose loss then has no
+  signal (its margin is 0 whatever the weights) but still counts in the
+  mean, diluting every other pair's gradient. We drop it and count it under
+  ``identical after truncation to --max_len`` in the summary line.
+* **Stricter rows.** A row with a missing or empty field, a non-string
+  value, an unknown chat role, text mixed with messages, an implicit prompt
+  that cannot be found (nothing shared, or one side the start of the other),
+  chosen and rejected that tokenize to the same completion, or a split
+  leaving the prompt or a completion with no token (our segments never train
+  on their first token) is an error (or counted with ``--skip_bad_samples``);
+  TRL would train on it, or fail deep inside ``datasets.map``. TRL's
+  ``tools`` / ``chat_template_kwargs`` columns are not supported.
 
 Trade-off: like ``sft.py``, tokenization is batched (three texts per row in
 one fast-tokenizer call per row kind), so the prompt is tokenized three
@@ -53,18 +69,21 @@ side with the demo tokenizer take 8 s, 85% of it in ``encode_batch``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
 from openpack.core.batch import CHOSEN, REJECTED, Segment
+from openpack.data import formats
+from openpack.data.formats import SKIP_FIX, as_turn, check_roles, common_prefix, fill_template, is_messages
 from openpack.data.loading import DataError, Rows, skip_or_raise
-from openpack.data.sft import OVERLENGTH_POLICIES, _is_messages
+from openpack.data.sft import OVERLENGTH_POLICIES
 
 logger = logging.getLogger(__name__)
 
-SKIP_FIX = "or pass --skip_bad_samples to skip and count such rows"
 FIELDS = ("prompt", "chosen", "rejected")  # also the flags: --prompt_key, --chosen_key, --rejected_key
+IDENTICAL_AFTER_TRUNCATION = "identical after truncation to --max_len"
 
 
 @dataclass
@@ -104,12 +123,19 @@ class PreferencePair:
 
 @dataclass
 class PreferenceReport:
-    """What ``tokenize_pairs`` changed: pairs cut to --max_len, dropped (with why), and skipped as bad."""
+    """What ``tokenize_pairs`` read and changed: rows per format, pairs cut to --max_len, dropped (why), skipped."""
 
     truncated: int
     dropped: int
     skipped: Counter
     drop_reasons: Counter = field(default_factory=Counter)
+    formats: Counter = field(default_factory=Counter, compare=False)  # good rows per format
+    rows: int = field(default=0, compare=False)  # rows given to tokenize_pairs
+
+    def summary(self, kept: int, max_len: int, load_skipped: Counter | None = None) -> str:
+        """The driver's line: ``"1 pair from 2 rows (2 text prompt/chosen/rejected); 0 truncated ..."``."""
+        return formats.summary(kept, "pairs", self.rows, self.formats, self.truncated, max_len, self.drop_reasons,
+                               (load_skipped or Counter()) + self.skipped)
 
 
 @dataclass
@@ -120,6 +146,7 @@ class _Rendered:
     chat: bool
     source: str
     row: int = -1
+    kind: str = ""  # the format, as the report counts it
 
 
 def tokenize_pairs(
@@ -132,6 +159,9 @@ def tokenize_pairs(
     overlength: str = "truncate",
     skip_bad_samples: bool = False,
     warn: bool = True,
+    *,
+    apply_chat_template: bool = False,
+    input_template: str | None = None,
 ) -> tuple[list[PreferencePair], PreferenceReport]:
     """Tokenize preference rows as TRL 1.16's DPOTrainer does (see the module docstring).
 
@@ -141,12 +171,16 @@ def tokenize_pairs(
     prompt of ``max_len`` tokens or more leaves no room for a response: it is
     an error under ``error`` and dropped and counted otherwise. Bad rows raise
     DataError naming the row, key and flag, or are counted in
-    ``report.skipped`` with ``skip_bad_samples``.
+    ``report.skipped`` with ``skip_bad_samples``. ``apply_chat_template``
+    makes text prompts user turns and text completions assistant turns;
+    ``input_template`` formats text prompts (OpenRLHF's flags).
     """
     _check_args(max_len, overlength)
+    formats.check_input_template(input_template, apply_chat_template)
     keys = dict(zip(FIELDS, (prompt_key, chosen_key, rejected_key)))
-    report = PreferenceReport(truncated=0, dropped=0, skipped=Counter())  # load-time skips stay in rows.skipped
-    rendered = _render_rows(rows, tokenizer, keys, skip_bad_samples, report)
+    report = PreferenceReport(truncated=0, dropped=0, skipped=Counter(), rows=len(rows))  # load skips: rows.skipped
+    rendered = _render_rows(rows, tokenizer, keys, _Flags(apply_chat_template, input_template), skip_bad_samples,
+                            report)
     pairs, prompt_tails = [], 0
     for (prompt_ids, chosen_ids, rejected_ids), row in zip(_encode(tokenizer, rendered), rendered):
         try:
@@ -174,25 +208,82 @@ def _check_args(max_len: int, overlength: str) -> None:
         raise DataError(f"--max_len must be an integer >= 2 (a prompt token and a target), got {max_len!r}")
 
 
-def _render_rows(rows: Rows, tokenizer, keys: dict, skip: bool, report: PreferenceReport) -> list[_Rendered]:
+@dataclass(frozen=True)
+class _Flags:
+    apply_chat_template: bool
+    input_template: str | None
+
+
+def _render_rows(rows: Rows, tokenizer, keys: dict, flags: _Flags, skip: bool,
+                 report: PreferenceReport) -> list[_Rendered]:
     """The texts to tokenize for every good row; bad rows raise or are counted in ``report.skipped``."""
     rendered = []
     for index, (row, source) in enumerate(zip(rows.rows, rows.sources)):
         try:
-            values = [_field(row, source, keys[name], name) for name in FIELDS]
-            rendered.append(dataclasses.replace(_render(tokenizer, *values, source, keys), row=index))
+            values, kind = _row_values(row, source, keys)
+            item = _render(tokenizer, *values, source, keys, flags)
         except DataError as err:
             skip_or_raise(err, skip, report.skipped)
+            continue
+        item = dataclasses.replace(item, row=index, kind=f"{'chat' if item.chat else 'text'} {kind}")
+        report.formats[item.kind] += 1
+        rendered.append(item)
     return rendered
 
 
-def _field(row: dict, source: str, key: str, name: str):
-    """``row[key]``: a non-empty string or a non-empty list of chat messages."""
+def _row_values(row: dict, source: str, keys: dict) -> tuple[list, str]:
+    """(prompt, chosen, rejected) and the format: an explicit prompt, or TRL's implicit one when the row has none."""
+    if keys["prompt"] in row:
+        return [_field(row, source, keys[name], name, keys) for name in FIELDS], "/".join(keys.values())
+    chosen, rejected = (_field(row, source, keys[name], name, keys) for name in ("chosen", "rejected"))
+    return _implicit_prompt(chosen, rejected, source, keys), f"{keys['chosen']}/{keys['rejected']}, implicit prompt"
+
+
+def _implicit_prompt(chosen, rejected, source: str, keys: dict) -> list:
+    """TRL's ``extract_prompt``: the shared leading turns (or characters) of chosen and rejected are the prompt.
+
+    For text, a space just before the point where they part goes with the
+    completions, as in TRL: "1+2= 3" vs "1+2= 4" -> "1+2=" | " 3" vs " 4".
+    """
+    if isinstance(chosen, list) != isinstance(rejected, list):
+        raise DataError(f"{source}: {keys['chosen']!r} and {keys['rejected']!r} must both be text or both be "
+                        f"messages, {SKIP_FIX}", "text mixed with messages")
+    shared = common_prefix(chosen, rejected)
+    if 0 < shared < min(len(chosen), len(rejected)) and isinstance(chosen, str) and chosen[shared - 1] == " ":
+        shared -= 1
+    if 0 < shared < min(len(chosen), len(rejected)):
+        return [chosen[:shared], chosen[shared:], rejected[shared:]]
+    why = ("share no start to take as the prompt" if shared == 0
+           else "leave no completion: one is the start of the other")
+    raise DataError(
+        f"{source}: no key {keys['prompt']!r} (--prompt_key), and {keys['chosen']!r} and {keys['rejected']!r} {why} "
+        f"(TRL's implicit-prompt format); set --prompt_key, fix the row, {SKIP_FIX}. "
+        f"Accepted formats:\n{_accepted(keys)}",
+        f"missing key {keys['prompt']!r}",
+    )
+
+
+def _accepted(keys: dict) -> str:
+    """The formats a row may take, each with a one-row example under the current keys."""
+    turn = [{"role": "user", "content": "1+2="}]
+    explicit = {keys["prompt"]: "1+2=", keys["chosen"]: "3", keys["rejected"]: "4"}
+    implicit = {keys["chosen"]: turn + [{"role": "assistant", "content": "3"}],
+                keys["rejected"]: turn + [{"role": "assistant", "content": "4"}]}
+    return "\n".join((
+        f"  a prompt and two completions (--prompt_key {keys['prompt']} --chosen_key {keys['chosen']} --rejected_key "
+        f"{keys['rejected']}), text or lists of messages: {json.dumps(explicit)}",
+        "  TRL's implicit prompt, two whole conversations (or texts) whose shared start is the prompt: "
+        f"{json.dumps(implicit)}",
+    ))
+
+
+def _field(row: dict, source: str, key: str, name: str, keys: dict):
+    """``row[key]``: a non-empty string or a non-empty list of chat messages with known roles."""
     flag = f"--{name}_key"
     if key not in row:
         raise DataError(
             f"{source}: no key {key!r} (the row has {sorted(row)}); set {flag} to the key that holds the "
-            f"{name}, {SKIP_FIX}",
+            f"{name}, {SKIP_FIX}. Accepted formats:\n{_accepted(keys)}",
             f"missing key {key!r}",
         )
     value = row[key]
@@ -202,7 +293,10 @@ def _field(row: dict, source: str, key: str, name: str):
             f"fix the row, {SKIP_FIX}",
             f"empty {key!r}",
         )
-    if isinstance(value, str) or _is_messages(value):
+    if isinstance(value, str):
+        return value
+    if is_messages(value):
+        check_roles(value, source, key)
         return value
     raise DataError(
         f"{source}: {key!r} is a {type(value).__name__}, expected a string or a list of "
@@ -211,38 +305,36 @@ def _field(row: dict, source: str, key: str, name: str):
     )
 
 
-def _render(tokenizer, prompt, chosen, rejected, source: str, keys: dict) -> _Rendered:
+def _render(tokenizer, prompt, chosen, rejected, source: str, keys: dict, flags: _Flags) -> _Rendered:
     """TRL's texts: eos appended to plain completions, or the chat template around message lists."""
     kinds = [isinstance(v, list) for v in (prompt, chosen, rejected)]
-    if any(kinds) and not all(kinds):
+    if any(kinds) and not all(kinds) and not flags.apply_chat_template:
         described = ", ".join(f"{keys[n]!r} is {'messages' if k else 'text'}" for n, k in zip(FIELDS, kinds))
         raise DataError(
-            f"{source}: {described}; give all three as strings or all three as lists of messages, {SKIP_FIX}",
+            f"{source}: {described}; give all three as strings or all three as lists of messages (or pass "
+            f"--apply_chat_template to make text a chat turn), {SKIP_FIX}",
             "text mixed with messages",
         )
-    if all(kinds):
-        return _Rendered(_chat_texts(tokenizer, prompt, chosen, rejected), True, source)
+    if any(kinds) or flags.apply_chat_template:
+        turns = as_turn(prompt, "user"), as_turn(chosen, "assistant"), as_turn(rejected, "assistant")
+        return _Rendered(_chat_texts(tokenizer, *turns, source), True, source)
     eos = tokenizer.eos_token
     if eos is None:
         raise DataError(
             "the tokenizer has no eos_token, which plain-text pairs need (TRL appends it to chosen and rejected); "
             "use a tokenizer (--pretrain) with an eos token, or give the pairs as chat messages"
         )
+    prompt = fill_template(flags.input_template, prompt)
     chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
     return _Rendered((prompt, prompt + chosen, prompt + rejected), False, source)
 
 
-def _chat_texts(tokenizer, prompt: list, chosen: list, rejected: list) -> tuple[str, str, str]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            "the pairs are chat messages but the tokenizer has no chat template; use a tokenizer (--pretrain) "
-            "that has one, or give prompt, chosen and rejected as plain text"
-        )
-    render = tokenizer.apply_chat_template
+def _chat_texts(tokenizer, prompt: list, chosen: list, rejected: list, source: str) -> tuple[str, str, str]:
+    formats.need_chat_template(tokenizer)
     return (
-        render(prompt, tokenize=False, add_generation_prompt=True),
-        render(prompt + chosen, tokenize=False),
-        render(prompt + rejected, tokenize=False),
+        formats.render_chat(tokenizer, source, prompt, add_generation_prompt=True),
+        formats.render_chat(tokenizer, source, prompt + chosen),
+        formats.render_chat(tokenizer, source, prompt + rejected),
     )
 
 
@@ -266,7 +358,7 @@ def _encode(tokenizer, rendered: list[_Rendered]) -> list[list[list[int]]]:
 
 def _split(prompt_ids, chosen_ids, rejected_ids, source: str, keys: dict) -> PreferencePair:
     """Cut at TRL's ``prompt_len``: the shorter common prefix of the prompt with either sequence."""
-    prompt_len = min(_common_prefix(prompt_ids, chosen_ids), _common_prefix(prompt_ids, rejected_ids))
+    prompt_len = min(common_prefix(prompt_ids, chosen_ids), common_prefix(prompt_ids, rejected_ids))
     pair = PreferencePair(list(prompt_ids[:prompt_len]), chosen_ids[prompt_len:], rejected_ids[prompt_len:], source)
     empty = [keys[name] for name, ids in (("prompt", pair.prompt), ("chosen", pair.chosen),
                                           ("rejected", pair.rejected)) if not ids]
@@ -286,16 +378,6 @@ def _split(prompt_ids, chosen_ids, rejected_ids, source: str, keys: dict) -> Pre
     return pair
 
 
-def _common_prefix(ids: list[int], other: list[int]) -> int:
-    """Length of the longest common prefix (TRL's ``common_prefix_length``)."""
-    n = 0
-    for a, b in zip(ids, other):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
 def _fit_length(pair: PreferencePair, max_len: int, overlength: str, report: PreferenceReport):
     """Apply the --overlength_policy to both sequences; None when the pair is dropped (counted in ``report``)."""
     chosen_len, rejected_len = pair.lengths()
@@ -310,8 +392,13 @@ def _fit_length(pair: PreferencePair, max_len: int, overlength: str, report: Pre
         report.drop_reasons[reason] += 1
         return None
     room = max_len - len(pair.prompt)  # TRL's collator: (prompt + completion)[:max_length], the prompt is kept whole
+    chosen, rejected = pair.chosen[:room], pair.rejected[:room]
+    if chosen == rejected:  # no signal left; TRL trains on it (module docstring)
+        report.dropped += 1
+        report.drop_reasons[IDENTICAL_AFTER_TRUNCATION] += 1
+        return None
     report.truncated += 1
-    return PreferencePair(pair.prompt, pair.chosen[:room], pair.rejected[:room], pair.source)
+    return PreferencePair(pair.prompt, chosen, rejected, pair.source)
 
 
 def _overlength_error(pair: PreferencePair, max_len: int, prompt_fills: bool) -> DataError:

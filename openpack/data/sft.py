@@ -1,35 +1,80 @@
-"""SFT rows -> token ids plus a per-token "train on this" flag, with a length policy.
+"""SFT rows -> token ids plus a per-token "train on this" flag, tokenized as TRL 1.16's SFTTrainer does.
 
-A row ``{"prompt": "1+2=", "response": "3"}`` with ``--apply_chat_template``
-and the demo tokenizer becomes::
+A row's format is read from its keys; the first that matches wins:
+
+=====================  ===========================================  ==========================================
+format                 keys (flags)                                 targets
+=====================  ===========================================  ==========================================
+conversation           ``--messages_key`` (messages)                assistant turns (``--conversation_loss
+                                                                    assistant``, TRL's ``assistant_only_loss``)
+                                                                    or every token (``all``)
+prompt and response    ``--input_key``, ``--output_key``            the response
+                       (prompt, response; OpenRLHF's)
+TRL prompt/completion  ``prompt``, ``completion``                   the completion (TRL's default)
+=====================  ===========================================  ==========================================
+
+Prompt and response are text or lists of ``{"role", "content"}`` messages.
+Text gets eos appended to the response and ``--input_template`` around the
+prompt (OpenRLHF's); ``--apply_chat_template`` makes it a user and an
+assistant turn. Messages are always rendered by the chat template.
+``{"prompt": "1+2=", "response": "3"}`` with ``--apply_chat_template`` and
+the demo tokenizer becomes::
 
     text     <bos> u s e r :  _ 1 + 2 = \\n a s s i s t a n t : _ | 3 <eos>
     targets    F   F F F F F  F F F F F  F  F F F F F F F F F F F | T   T
 
-The prompt and the response are tokenized separately and concatenated, so the
-boundary between them is exact (tokenizing the whole text and searching for
-the boundary breaks when a BPE merge spans it). The cost is that the pair may
-tokenize differently from the joined text at that one boundary, which is also
-how the model sees the prompt at generation time (prompt first, then sampled
-tokens), so training matches inference.
+What TRL 1.16 does, and so do we (``tests/unit/test_sft_data.py`` compares
+the ids and masks with ``SFTTrainer``'s, token for token):
 
-Tokenization is batched (one fast-tokenizer call for all prompts, one for all
-responses), so the Rust tokenizer does the work rather than a Python loop.
+* **Pairs.** The prompt and prompt + response are tokenized (text with the
+  tokenizer's special tokens; template output without them, which is what
+  ``apply_chat_template(tokenize=True)`` does) and the response starts where
+  the two token lists first differ. When a BPE merge spans the boundary
+  (``"Assistant: "`` ends with the token ``Ġ``, ``"Assistant: 3"`` with
+  ``Ġ3``), the whole text keeps its own tokens and the merged token is the
+  first target: the model learns the text as it is written, and the prompt
+  it sees at generation differs from training by that one token. TRL warns
+  once about such rows; so do we.
+* **Conversations.** ``apply_chat_template(return_assistant_tokens_mask=True)``:
+  the spans the template wraps in ``{% generation %}`` are the targets. A
+  template without those markers is an error under ``assistant`` (TRL swaps
+  in a patched template of its own for the model families it knows; we do
+  not guess): pass ``--conversation_loss all`` or a template with markers.
+* **Truncation** (``keep_start``): the first ``--max_len`` tokens; a sample
+  with no target left is dropped and counted, as TRL drops fully masked rows.
+
+Stricter than TRL: a missing key, an empty response, an unknown chat role, a
+conversation with no assistant turn, or a response with no token of its own
+is an error naming the row (or counted with ``--skip_bad_samples``).
+
+Tokenization is batched (one fast-tokenizer call per kind of row), so the
+Rust tokenizer does the work rather than a Python loop; the prompt is
+tokenized twice, alone and with its response, the price of TRL's boundary rule.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from openpack.data import formats
+from openpack.data.formats import SKIP_FIX, as_turn, check_roles, fill_template, is_messages
 from openpack.data.loading import DataError, Rows, skip_or_raise
 
+logger = logging.getLogger(__name__)
+
 OVERLENGTH_POLICIES = ("truncate", "drop", "error")
+CONVERSATION_LOSSES = ("assistant", "all")
+NO_TARGET_LEFT = "prompt fills --max_len, no response left"
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass
 class SFTSample:
-    """One tokenized sample; ``targets`` is True on response tokens (and eos), False on the prompt."""
+    """One tokenized sample; ``targets`` is True on the tokens trained on (response, assistant turns, eos)."""
 
     tokens: list[int]
     targets: list[bool]
@@ -39,62 +84,103 @@ class SFTSample:
 
 @dataclass
 class TokenizeReport:
-    """What ``tokenize_sft`` changed: samples cut to --max_len, dropped, and skipped as bad.
+    """What ``tokenize_sft`` read and changed: rows per format, samples cut to --max_len, dropped, skipped as bad.
 
     ``drop_reasons`` says why each dropped sample went (over --max_len under
-    ``drop``; a prompt that fills --max_len under ``truncate``).
+    ``drop``; no target left within --max_len under ``truncate``).
     """
 
     truncated: int
     dropped: int
     skipped: Counter
     drop_reasons: Counter = field(default_factory=Counter)
+    formats: Counter = field(default_factory=Counter)  # good rows per format, e.g. "conversation (messages)"
+    rows: int = 0  # rows given to tokenize_sft
+
+    def summary(self, kept: int, max_len: int, load_skipped: Counter | None = None) -> str:
+        """The driver's line: ``"4 samples from 6 rows (3 chat prompt/response, ...); 2 truncated ..."``."""
+        return formats.summary(kept, "samples", self.rows, self.formats, self.truncated, max_len, self.drop_reasons,
+                               (load_skipped or Counter()) + self.skipped)
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """The flags that say how a row is read."""
+
+    input: str
+    output: str
+    messages: str
+    apply_chat_template: bool
+    input_template: str | None
+
+
+@dataclass
+class _Formatted:
+    """One good row, ready to tokenize: a pair's two texts, or a whole conversation."""
+
+    kind: str  # the format, as the report counts it
+    source: str
+    row: int
+    texts: tuple[str, str] | None = None  # prompt, prompt + response
+    chat: bool = False  # texts rendered by the chat template: they already hold their special tokens
+    messages: list | None = None
 
 
 def tokenize_sft(
     rows: Rows,
     tokenizer,
-    input_key: str,
-    output_key: str,
-    apply_chat_template: bool,
-    max_len: int,
+    input_key: str = "prompt",
+    output_key: str = "response",
+    apply_chat_template: bool = False,
+    max_len: int = 2048,
     overlength: str = "truncate",
     skip_bad_samples: bool = False,
+    *,
+    messages_key: str = "messages",
+    conversation_loss: str = "assistant",
+    input_template: str | None = None,
+    warn: bool = True,
 ) -> tuple[list[SFTSample], TokenizeReport]:
-    """Tokenize SFT rows: prompt tokens are not targets, response tokens and eos are.
-
-    With ``apply_chat_template`` the prompt is the chat template of the user
-    turn with the generation prompt, the response the rest of the templated
-    conversation (the template writes eos and other special tokens). The
-    input may also be a list of ``{"role", "content"}`` messages. Without it,
-    prompt and response are the raw values and eos is appended.
+    """Tokenize SFT rows in any accepted format (module docstring) as TRL's SFTTrainer does.
 
     ``overlength`` handles samples longer than ``max_len`` tokens:
-    ``truncate`` keeps the first ``max_len`` tokens (a sample whose prompt
-    leaves no response token is dropped and counted), ``drop`` drops and
-    counts, ``error`` raises. Bad rows (missing key, non-string value, empty
-    response) raise DataError, or are counted in ``report.skipped`` when
-    ``skip_bad_samples``.
+    ``truncate`` keeps the first ``max_len`` tokens (a sample left with no
+    target is dropped and counted), ``drop`` drops and counts, ``error``
+    raises. Bad rows raise DataError naming the row, key and flag, or are
+    counted in ``report.skipped`` when ``skip_bad_samples``. ``warn=False``
+    silences the prompt-tail warning (ranks re-tokenizing what the driver has).
     """
-    _check_args(tokenizer, apply_chat_template, max_len, overlength)
-    report = TokenizeReport(truncated=0, dropped=0, skipped=Counter())  # load-time skips stay in rows.skipped
-    texts, sources, row_ids = _format_rows(rows, tokenizer, input_key, output_key, apply_chat_template,
-                                           skip_bad_samples, report)
-    prompts, responses = _encode_pairs(tokenizer, texts, apply_chat_template)
-    samples = []
-    for prompt_ids, response_ids, source, row in zip(prompts, responses, sources, row_ids):
-        sample = _fit_length(prompt_ids, response_ids, source, max_len, overlength, report)
+    _check_args(tokenizer, apply_chat_template, max_len, overlength, conversation_loss, input_template)
+    keys = _Keys(input_key, output_key, messages_key, apply_chat_template, input_template)
+    report = TokenizeReport(truncated=0, dropped=0, skipped=Counter(), rows=len(rows))  # load skips: rows.skipped
+    formatted = _format_rows(rows, tokenizer, keys, conversation_loss, skip_bad_samples, report)
+    samples, prompt_tails = [], 0
+    for item, encoded in zip(formatted, _encode(tokenizer, formatted, conversation_loss)):
+        try:
+            tokens, targets, prompt_tail = _checked(encoded, item)
+        except DataError as err:
+            skip_or_raise(err, skip_bad_samples, report.skipped)
+            continue
+        prompt_tails += prompt_tail
+        sample = _fit_length(tokens, targets, item.source, max_len, overlength, report)
         if sample is not None:
-            sample.row = row
+            sample.row = item.row
             samples.append(sample)
+    if prompt_tails and warn:
+        logger.warning("%d samples: the tokenized prompt is not a prefix of prompt+response (a BPE merge or the chat "
+                       "template); the response starts where they differ and the prompt's tail is left out, as TRL "
+                       "does", prompt_tails)
     if not samples:
-        raise _nothing_left(len(rows), max_len, report)
+        raise _nothing_left(len(rows), max_len, keys, report)
     return samples, report
 
 
-def _check_args(tokenizer, apply_chat_template: bool, max_len: int, overlength: str) -> None:
+def _check_args(tokenizer, apply_chat_template, max_len, overlength, conversation_loss, input_template) -> None:
     if overlength not in OVERLENGTH_POLICIES:
         raise DataError(f"--overlength_policy must be one of {', '.join(OVERLENGTH_POLICIES)}, got {overlength!r}")
+    if conversation_loss not in CONVERSATION_LOSSES:
+        raise DataError(f"--conversation_loss must be one of {', '.join(CONVERSATION_LOSSES)}, "
+                        f"got {conversation_loss!r}")
     if not isinstance(max_len, int) or max_len < 2:
         raise DataError(f"--max_len must be an integer >= 2 (a prompt token and a target), got {max_len!r}")
     if apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -102,118 +188,223 @@ def _check_args(tokenizer, apply_chat_template: bool, max_len: int, overlength: 
             "--apply_chat_template is set but the tokenizer has no chat template; "
             "drop --apply_chat_template or use a tokenizer (--pretrain) that has one"
         )
+    formats.check_input_template(input_template, apply_chat_template)
 
 
-def _format_rows(rows, tokenizer, input_key, output_key, apply_chat_template, skip, report):
-    """(prompt text, response text) per good row, with its source and index; bad rows raise or are counted."""
-    texts, sources, row_ids = [], [], []
+# ---- reading rows -------------------------------------------------------------------------------------------------
+
+
+def _format_rows(rows: Rows, tokenizer, keys: _Keys, loss: str, skip: bool, report: TokenizeReport) -> list[_Formatted]:
+    """Every good row as a pair of texts or a conversation; bad rows raise or are counted."""
+    formatted = []
     for index, (row, source) in enumerate(zip(rows.rows, rows.sources)):
         try:
-            prompt = _field(row, source, input_key, "--input_key", allow_messages=apply_chat_template)
-            response = _field(row, source, output_key, "--output_key", allow_messages=False)
-            if not response.strip():
-                raise DataError(
-                    f"{source}: {output_key!r} is empty or only whitespace, so there is nothing to train on; "
-                    "fix the row, or pass --skip_bad_samples to skip and count such rows",
-                    "empty response",
-                )
-            pair = _chat_texts(tokenizer, prompt, response, source) if apply_chat_template else (prompt, response)
+            item = _format_row(row, source, index, tokenizer, keys, loss)
         except DataError as err:
             skip_or_raise(err, skip, report.skipped)
             continue
-        texts.append(pair)
-        sources.append(source)
-        row_ids.append(index)
-    return texts, sources, row_ids
+        report.formats[item.kind] += 1
+        formatted.append(item)
+    return formatted
 
 
-def _field(row: dict, source: str, key: str, flag: str, allow_messages: bool):
-    """``row[key]``, which must be a string (or a list of chat messages when allowed)."""
-    if key not in row:
+def _format_row(row: dict, source: str, index: int, tokenizer, keys: _Keys, loss: str) -> _Formatted:
+    if keys.messages in row:
+        return _conversation(row, source, index, keys.messages, loss)
+    (prompt_key, prompt_flag), (response_key, response_flag) = _pair_keys(row, source, keys)
+    prompt = _value(row, source, prompt_key, prompt_flag)
+    response = _value(row, source, response_key, response_flag)
+    if isinstance(response, str) and not response.strip():
         raise DataError(
-            f"{source}: no key {key!r} (the row has {sorted(row)}); set {flag} to the key that holds "
-            "this text, or pass --skip_bad_samples to skip and count such rows",
-            f"missing key {key!r}",
+            f"{source}: {response_key!r} is empty or only whitespace, so there is nothing to train on; "
+            f"fix the row, {SKIP_FIX}",
+            "empty response",
         )
-    value = row[key]
-    if isinstance(value, str) or (allow_messages and _is_messages(value)):
-        return value
-    expected = "a string or a list of {'role', 'content'} messages" if allow_messages else "a string"
+    chat = [isinstance(v, list) for v in (prompt, response)]
+    if any(chat) and not all(chat) and not keys.apply_chat_template:
+        raise DataError(
+            f"{source}: {prompt_key!r} is {'messages' if chat[0] else 'text'}, {response_key!r} is "
+            f"{'messages' if chat[1] else 'text'}; give both as text or both as messages, or pass "
+            f"--apply_chat_template to make text a user or assistant turn, {SKIP_FIX}",
+            "text mixed with messages",
+        )
+    kind = f"{{}} {prompt_key}/{response_key}"
+    if any(chat) or keys.apply_chat_template:
+        texts = _chat_texts(tokenizer, as_turn(prompt, "user"), as_turn(response, "assistant"), source)
+        return _Formatted(kind.format("chat"), source, index, texts=texts, chat=True)
+    prompt = fill_template(keys.input_template, prompt)
+    eos = tokenizer.eos_token
+    if eos is not None and not response.endswith(eos):  # TRL appends the eos string to the completion
+        response += eos
+    return _Formatted(kind.format("text"), source, index, texts=(prompt, prompt + response))
+
+
+def _pair_keys(row: dict, source: str, keys: _Keys) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(key, flag) of the prompt and of the response: OpenRLHF's keys, else TRL's prompt/completion."""
+    if keys.input in row and keys.output in row:
+        return (keys.input, "--input_key"), (keys.output, "--output_key")
+    if "prompt" in row and "completion" in row:
+        return ("prompt", "TRL's prompt/completion"), ("completion", "TRL's prompt/completion")
+    missing, flag = (keys.input, "--input_key") if keys.input not in row else (keys.output, "--output_key")
     raise DataError(
-        f"{source}: {key!r} is a {type(value).__name__}, expected {expected}; check {flag}, "
-        "or pass --skip_bad_samples to skip and count such rows",
+        f"{source}: no key {missing!r} (the row has {sorted(row)}), so the row matches no accepted format; "
+        f"set {flag} (or --messages_key) to the key that holds this text, fix the row, {SKIP_FIX}. "
+        f"Accepted formats:\n{_accepted(keys)}",
+        f"missing key {missing!r}",
+    )
+
+
+def _accepted(keys: _Keys) -> str:
+    """The formats a row may take, each with a one-row example under the current keys."""
+    conversation = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    return "\n".join((
+        f"  a conversation (--messages_key {keys.messages}): {json.dumps({keys.messages: conversation})}",
+        f"  a prompt and a response (--input_key {keys.input} --output_key {keys.output}), text or lists of "
+        f"messages: {json.dumps({keys.input: '1+2=', keys.output: '3'})}",
+        "  TRL's prompt/completion, text or lists of messages: "
+        f"{json.dumps({'prompt': '1+2=', 'completion': '3'})}",
+    ))
+
+
+def _value(row: dict, source: str, key: str, flag: str):
+    """``row[key]``: a string or a list of chat messages with known roles."""
+    value = row[key]
+    if isinstance(value, str):
+        return value
+    if is_messages(value):
+        check_roles(value, source, key)
+        return value
+    raise DataError(
+        f"{source}: {key!r} ({flag}) is a {type(value).__name__}, expected a string or a list of "
+        f"{{'role', 'content'}} messages; fix the row or the flag, {SKIP_FIX}",
         f"non-string {key!r}",
     )
 
 
-def _is_messages(value) -> bool:
-    """A non-empty list of ``{"role": str, "content": str}`` dicts."""
-    def is_message(m):
-        return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-
-    return isinstance(value, list) and len(value) > 0 and all(is_message(m) for m in value)
-
-
-def _chat_texts(tokenizer, prompt, response: str, source: str) -> tuple[str, str]:
-    """Prompt text (with the generation prompt) and the text the template adds for the response."""
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
-    if not full_text.startswith(prompt_text):
+def _conversation(row: dict, source: str, index: int, key: str, loss: str) -> _Formatted:
+    messages = row[key]
+    if not is_messages(messages):
         raise DataError(
-            f"{source}: the chat template's text with the answer does not start with its text with the "
-            f"generation prompt ({prompt_text[-40:]!r} vs {full_text[len(prompt_text) - 40:len(prompt_text)]!r}), "
-            "so prompt and response cannot be split; use a template whose generation prompt is a prefix, "
-            "or drop --apply_chat_template and give plain prompt text",
-            "chat template prefix mismatch",
+            f"{source}: {key!r} (--messages_key) is not a non-empty list of {{'role', 'content'}} messages "
+            f"(it is a {type(messages).__name__}); fix the row or --messages_key, {SKIP_FIX}",
+            f"not a conversation {key!r}",
         )
-    return prompt_text, full_text[len(prompt_text) :]
+    check_roles(messages, source, key)
+    if loss == "assistant" and not any(m["role"] == "assistant" for m in messages):
+        raise DataError(
+            f"{source}: {key!r} has no assistant turn, so --conversation_loss assistant has nothing to train on; "
+            f"fix the row, pass --conversation_loss all to train on every token, {SKIP_FIX}",
+            "no assistant turn",
+        )
+    return _Formatted(f"conversation ({key})", source, index, messages=messages)
 
 
-def _encode_pairs(tokenizer, texts: list[tuple[str, str]], apply_chat_template: bool):
-    """Token ids of prompts and responses, each in one batched call.
-
-    A templated prompt already has its special tokens (HF's chat-template docs:
-    tokenizing it with ``add_special_tokens=True`` duplicates e.g. ``<bos>``),
-    so special tokens are added to plain-text prompts only. Plain responses
-    get eos appended (unless they already end with it).
-    """
-    if not texts:
-        return [], []
-    prompts = tokenizer([p for p, _ in texts], add_special_tokens=not apply_chat_template)["input_ids"]
-    responses = tokenizer([r for _, r in texts], add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
-    if not apply_chat_template and eos is not None:
-        responses = [ids if ids and ids[-1] == eos else ids + [eos] for ids in responses]
-    return prompts, responses
+def _chat_texts(tokenizer, prompt: list, response: list, source: str) -> tuple[str, str]:
+    """The template's prompt (with the generation prompt, as TRL renders it) and prompt + response."""
+    formats.need_chat_template(tokenizer)
+    return (formats.render_chat(tokenizer, source, prompt, add_generation_prompt=True),
+            formats.render_chat(tokenizer, source, prompt + response))
 
 
-def _fit_length(prompt_ids, response_ids, source, max_len, overlength, report) -> SFTSample | None:
+# ---- tokenizing ---------------------------------------------------------------------------------------------------
+
+
+def _encode(tokenizer, formatted: list[_Formatted], loss: str) -> list:
+    """Per row: (prompt ids, whole ids) of a pair, (ids, targets) of a conversation, or its DataError."""
+    encoded: list = [None] * len(formatted)
+    for chat in (False, True):
+        rows = [i for i, item in enumerate(formatted) if item.texts is not None and item.chat == chat]
+        if rows:
+            flat = tokenizer([t for i in rows for t in formatted[i].texts], add_special_tokens=not chat)["input_ids"]
+            for j, i in enumerate(rows):
+                encoded[i] = ("pair", flat[2 * j], flat[2 * j + 1])
+    rows = [i for i, item in enumerate(formatted) if item.messages is not None]
+    if rows:
+        for i, result in zip(rows, _encode_conversations(tokenizer, [formatted[i] for i in rows], loss)):
+            encoded[i] = result
+    return encoded
+
+
+def _encode_conversations(tokenizer, items: list[_Formatted], loss: str) -> list:
+    """One batched ``apply_chat_template`` call; on a template error, row by row to name the row."""
+    from jinja2 import TemplateError
+
+    formats.need_chat_template(tokenizer)
+    template = tokenizer.chat_template
+    template = template.get("default", "") if isinstance(template, dict) else template
+    if loss == "assistant" and not _GENERATION_MARKER.search(template):
+        raise DataError(
+            "--conversation_loss assistant (the default) trains on the assistant turns, which the chat template must "
+            "wrap in {% generation %} ... {% endgeneration %}; this tokenizer's template has no such markers. Pass "
+            "--conversation_loss all to train on every token, use a tokenizer whose template has the markers (TRL "
+            "ships such training templates for common models), or give the rows as prompt and response"
+        )
+    assistant = loss == "assistant"
+
+    def tokenize(conversations):
+        out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=assistant)
+        masks = out["assistant_masks"] if assistant else [[1] * len(ids) for ids in out["input_ids"]]
+        return [("conversation", ids, [m == 1 for m in mask]) for ids, mask in zip(out["input_ids"], masks)]
+
+    try:
+        return tokenize([item.messages for item in items])
+    except TemplateError:  # some row's conversation: render each alone to name it
+        pass
+    results = []
+    for item in items:
+        try:
+            formats.render_chat(tokenizer, item.source, item.messages)
+        except DataError as err:
+            results.append(err)
+            continue
+        results += tokenize([item.messages])
+    return results
+
+
+def _checked(encoded, item: _Formatted) -> tuple[list[int], list[bool], bool]:
+    """(tokens, targets, prompt tail left out) of one row; DataError when it has nothing to train on."""
+    if isinstance(encoded, DataError):
+        raise encoded
+    kind, ids, other = encoded
+    if kind == "pair":  # TRL's split: the response starts where prompt and prompt + response first differ
+        prompt_ids, tokens = ids, other
+        prompt_len = formats.common_prefix(prompt_ids, tokens)
+        targets, prompt_tail = [False] * prompt_len + [True] * (len(tokens) - prompt_len), prompt_len < len(prompt_ids)
+    else:
+        tokens, targets, prompt_tail = ids, other, False
+    if not any(targets[1:]):  # a sequence's first token is never a target (core/batch.py)
+        what = ("the response adds no token of its own to the prompt" if kind == "pair"
+                else "the chat template marks no assistant token")
+        raise DataError(f"{item.source}: {what}, so there is nothing to train on; fix the row, {SKIP_FIX}",
+                        "nothing to train on")
+    return tokens, targets, prompt_tail
+
+
+def _fit_length(tokens, targets, source, max_len, overlength, report) -> SFTSample | None:
     """Apply the --overlength_policy; None when the sample is dropped (counted in ``report``)."""
-    tokens = list(prompt_ids) + list(response_ids)
-    targets = [False] * len(prompt_ids) + [True] * len(response_ids)
     if len(tokens) <= max_len:
         return SFTSample(tokens, targets, source)
     if overlength == "error":
         raise DataError(
-            f"{source}: {len(tokens)} tokens ({len(prompt_ids)} prompt + {len(response_ids)} response) is "
-            f"over --max_len {max_len}; raise --max_len, or set --overlength_policy to truncate (keep the "
-            "first --max_len tokens) or drop (skip and count); it is now error"
+            f"{source}: {len(tokens)} tokens ({sum(targets)} of them trained on) is over --max_len {max_len}; "
+            "raise --max_len, or set --overlength_policy to truncate (keep the first --max_len tokens) or drop "
+            "(skip and count); it is now error"
         )
-    # Truncating a prompt of >= max_len tokens would leave no target; max_len >= 2 keeps one past position 0.
-    if overlength == "drop" or len(prompt_ids) >= max_len:
-        reason = "over --max_len" if overlength == "drop" else "prompt fills --max_len, no response left"
+    # max_len >= 2, so a target that survives the cut is past position 0, which is never trained.
+    if overlength == "drop" or not any(targets[1:max_len]):
         report.dropped += 1
-        report.drop_reasons[reason] += 1
+        report.drop_reasons["over --max_len" if overlength == "drop" else NO_TARGET_LEFT] += 1
         return None
     report.truncated += 1
     return SFTSample(tokens[:max_len], targets[:max_len], source)
 
 
-def _nothing_left(num_rows: int, max_len: int, report: TokenizeReport) -> DataError:
+def _nothing_left(num_rows: int, max_len: int, keys: _Keys, report: TokenizeReport) -> DataError:
     why = ", ".join(f"{n} {reason}" for reason, n in (report.skipped + report.drop_reasons).most_common())
     return DataError(
         f"no SFT samples left from {num_rows} rows: {report.dropped} dropped and "
-        f"{sum(report.skipped.values())} skipped ({why or 'no rows'}); check --input_key/--output_key, "
-        f"raise --max_len (now {max_len}) or set --overlength_policy truncate"
+        f"{sum(report.skipped.values())} skipped ({why or 'no rows'}); check --messages_key/--input_key/--output_key "
+        f"(now {keys.messages}/{keys.input}/{keys.output}), raise --max_len (now {max_len}) or set "
+        "--overlength_policy truncate"
     )

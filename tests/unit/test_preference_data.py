@@ -151,21 +151,34 @@ def trl_trainer_for(tmp_path_factory):
     return build
 
 
-def assert_trl_parity(tok, trl_trainer_for, rows, max_length):
+def assert_trl_parity(tok, trl_trainer_for, rows, max_length, ours_rows=None, **ours):
+    """TRL's rows ``rows``; ours ``ours_rows`` (default the same) tokenized with the flags ``ours``.
+
+    The same rows survive TRL's filter, except the pairs truncation makes identical: TRL keeps them, we drop
+    and count them (``_fit_length``).
+    """
     trl_examples, collate = trl_trainer_for(tok, rows, max_length)
-    ours, report = tokenize_pairs(rows_of(*rows), tok, max_len=max_length, overlength="truncate")
-    untruncated, _ = tokenize_pairs(rows_of(*rows), tok, max_len=10**6)
-    kept = [ex["row"] for ex in trl_examples]
-    assert [int(p.source.split(":")[1]) - 1 for p in ours] == kept  # the same rows survive TRL's filter
-    assert report.drop_reasons == Counter({"prompt fills --max_len, no response left": len(rows) - len(kept)})
-    for ex, pair in zip(trl_examples, ours):
+    ours_rows = rows_of(*(ours_rows or rows))
+    pairs, report = tokenize_pairs(ours_rows, tok, max_len=max_length, overlength="truncate", **ours)
+    untruncated, _ = tokenize_pairs(ours_rows, tok, max_len=10**6, **ours)
+    by_row, identical = {pair.row: pair for pair in pairs}, 0
+    for ex in trl_examples:
         full = untruncated[ex["row"]]
         assert (full.prompt, full.chosen, full.rejected) == (ex["prompt_ids"], ex["chosen_ids"], ex["rejected_ids"])
         batch = collate([ex])  # rows: [prompt+chosen, prompt+rejected], right-padded, truncated
-        for row, segment in enumerate(pair.segments(0)):
-            n = int(batch["attention_mask"][row].sum())
-            assert batch["input_ids"][row, :n].tolist() == list(segment.tokens)
-            assert batch["completion_mask"][row, :n].bool().tolist() == list(segment.targets)
+        sequences = [batch["input_ids"][row, :int(batch["attention_mask"][row].sum())].tolist() for row in (0, 1)]
+        if ex["row"] not in by_row:
+            assert sequences[0] == sequences[1]  # identical after the cut: TRL trains on it, we dropped it
+            identical += 1
+            continue
+        for row, segment in enumerate(by_row[ex["row"]].segments(0)):
+            assert sequences[row] == list(segment.tokens)
+            assert batch["completion_mask"][row, :len(sequences[row])].bool().tolist() == list(segment.targets)
+    kept = [ex["row"] for ex in trl_examples]
+    assert sorted(by_row) == [row for row in kept if row in by_row] and len(by_row) == len(kept) - identical
+    expected = Counter({"prompt fills --max_len, no response left": len(rows) - len(kept),
+                        "identical after truncation to --max_len": identical})
+    assert report.drop_reasons == +expected
     return report
 
 
@@ -325,3 +338,153 @@ def test_prompt_that_fills_max_len_is_an_error_under_error(tok):
     with pytest.raises(DataError, match=r"train.jsonl:1: the prompt alone is 8 tokens, >= --max_len 8, so there is "
                                         r"no room for a response; raise --max_len.*truncate.*drop.*error"):
         tokenize_pairs(rows_of(pair_row("1+2=" * 2)), tok, max_len=8, overlength="error")
+
+
+# ---- formats: TRL's implicit prompt, --apply_chat_template, OpenRLHF's --input_template ------------------------------
+
+
+def test_implicit_prompt_conversation(tok):
+    """No 'prompt' key: the leading turns chosen and rejected share are the prompt (TRL's extract_prompt)."""
+    row = {"chosen": user("1+2=") + assistant("3"), "rejected": user("1+2=") + assistant("4")}
+    pairs, report = tokenize_pairs(rows_of(row), tok)
+    assert pairs == [PreferencePair(CHAT_PROMPT, [7, EOS], [8, EOS], "train.jsonl:1")]
+    assert report.formats == Counter({"chat chosen/rejected, implicit prompt": 1})
+
+
+def test_implicit_prompt_text(tok):
+    """The shared characters are the prompt, less a trailing space (TRL's rule): '1+2=' | ' 3<eos>' vs ' 4<eos>'."""
+    pairs, report = tokenize_pairs(rows_of({"chosen": "1+2= 3", "rejected": "1+2= 4"}), tok)
+    assert pairs == [PreferencePair(ONE_PLUS_TWO, [40, 7, EOS], [40, 8, EOS], "train.jsonl:1")]
+    assert report.formats == Counter({"text chosen/rejected, implicit prompt": 1})
+
+
+@pytest.mark.parametrize("chosen, rejected, why", [
+    ("3", "4", "share no start"),
+    ("1+2=3", "1+2=34", "one is the start of the other"),
+    (user("1+2=") + assistant("3"), user("2+2=") + assistant("4"), "share no start"),
+    (user("1+2=") + assistant("3"), user("1+2=") + assistant("3"), "one is the start of the other"),
+])
+def test_implicit_prompt_that_cannot_be_found(tok, chosen, rejected, why):
+    with pytest.raises(DataError, match=rf"train.jsonl:1: no key 'prompt' \(--prompt_key\).*{why}") as err:
+        tokenize_pairs(rows_of({"chosen": chosen, "rejected": rejected}), tok)
+    assert err.value.reason == "missing key 'prompt'"
+    for example in ('{"prompt": "1+2=", "chosen": "3", "rejected": "4"}', '{"chosen": [{"role": "user"'):
+        assert example in str(err.value)
+
+
+def test_apply_chat_template_makes_text_user_and_assistant_turns(tok):
+    pairs, report = tokenize_pairs(rows_of(pair_row()), tok, apply_chat_template=True)
+    assert pairs == [PreferencePair(CHAT_PROMPT, [7, EOS], [8, EOS], "train.jsonl:1")]
+    assert report.formats == Counter({"chat prompt/chosen/rejected": 1})
+
+
+def test_input_template_formats_text_prompts(tok):
+    pairs, _ = tokenize_pairs(rows_of(pair_row()), tok, input_template="q: {}\na: ")
+    assert tok.decode(pairs[0].prompt) == "q: 1+2=\na: " and pairs[0].chosen == [7, EOS]
+
+
+@pytest.mark.parametrize("template, chat, match", [
+    ("q: ", False, r"--input_template 'q: ' has no \{\}"),
+    ("q: {}\na: ", True, "--input_template formats plain-text prompts.*--apply_chat_template"),
+])
+def test_input_template_errors(tok, template, chat, match):
+    with pytest.raises(DataError, match=match):
+        tokenize_pairs(rows_of(pair_row()), tok, apply_chat_template=chat, input_template=template)
+
+
+@pytest.mark.parametrize("name", ["prompt", "chosen", "rejected"])
+def test_unknown_chat_role_is_an_error_naming_the_row(tok, name):
+    row = {"prompt": user("1+2="), "chosen": assistant("3"), "rejected": assistant("4")}
+    row[name] = [{"role": "bot", "content": "5"}]
+    with pytest.raises(DataError, match=rf"train.jsonl:1: '{name}' message 0 has role 'bot'.*system, developer, user, "
+                                        r"assistant, tool.*--skip_bad_samples") as err:
+        tokenize_pairs(rows_of(row), tok)
+    assert err.value.reason == "unknown chat role"
+
+
+def test_missing_chosen_lists_the_accepted_formats(tok):
+    with pytest.raises(DataError) as err:
+        tokenize_pairs(rows_of({"prompt": "1+2=", "answer": "3"}), tok)
+    message = str(err.value)
+    assert message.startswith("train.jsonl:1: no key 'chosen'") and "implicit prompt" in message
+    assert '{"prompt": "1+2=", "chosen": "3", "rejected": "4"}' in message
+
+
+def test_pairs_identical_after_truncation_are_dropped_and_counted(tok):
+    """1+2= | 345<eos> vs 1+2= | 346<eos> at --max_len 6: both become 1+2= | 34, nothing to prefer (TRL keeps it)."""
+    rows = rows_of(pair_row(chosen="345", rejected="346"), pair_row())
+    pairs, report = tokenize_pairs(rows, tok, max_len=6)
+    assert [p.source for p in pairs] == ["train.jsonl:2"]
+    assert (report.truncated, report.dropped) == (0, 1)
+    assert report.drop_reasons == Counter({"identical after truncation to --max_len": 1})
+    assert report.summary(len(pairs), 6, Counter()) == (
+        "1 pair from 2 rows (2 text prompt/chosen/rejected); 0 truncated to --max_len 6; "
+        "dropped: 1 identical after truncation to --max_len; skipped: none")
+
+
+@pytest.mark.slow
+def test_pairs_identical_after_truncation_are_what_trl_keeps(tok, trl_trainer_for):
+    """16 tokens: a 4-token prompt leaves 12; the first pair parts at its 15th completion token, the second at its
+    12th (cut, still different)."""
+    rows = [pair_row("7+7=", "3" * 14 + "1", "3" * 14 + "2"), pair_row("7+7=", "3" * 11 + "1", "3" * 11 + "2"),
+            pair_row()]
+    report = assert_trl_parity(tok, trl_trainer_for, rows, TRL_MAX_LENGTH)
+    assert report.drop_reasons == Counter({"identical after truncation to --max_len": 1}) and report.truncated == 1
+
+
+IMPLICIT_TEXT_ROWS = [
+    {"chosen": "1+2= 3", "rejected": "1+2= 4"},
+    {"chosen": "q: abc", "rejected": "q: abd"},
+    {"chosen": "the sky is blue", "rejected": "the sky is green"},
+    {"chosen": "5+5=" + "1" * 20, "rejected": "5+5=2"},  # cut at 16
+    {"chosen": "p" * 16 + "a", "rejected": "p" * 16 + "b"},  # the prompt fills 16 tokens: dropped
+]
+IMPLICIT_CHAT_ROWS = [
+    {"chosen": user("1+2=") + assistant("3"), "rejected": user("1+2=") + assistant("4")},
+    {"chosen": user("hi") + assistant("hello") + user("2+2=") + assistant("4"),
+     "rejected": user("hi") + assistant("hello") + user("2+2=") + assistant("5")},
+    {"chosen": user("x") + assistant("a") + user("y") + assistant("b"),
+     "rejected": user("x") + assistant("c")},  # they part at the first answer
+    {"chosen": user("long " * 8) + assistant("a"), "rejected": user("long " * 8) + assistant("b")},  # dropped
+]
+
+
+@pytest.mark.slow
+def test_implicit_prompt_matches_trl(tok, bpe_tok, trl_trainer_for):
+    for tokenizer in (tok, bpe_tok):
+        report = assert_trl_parity(tokenizer, trl_trainer_for, IMPLICIT_TEXT_ROWS, TRL_MAX_LENGTH)
+        assert report.formats == Counter({"text chosen/rejected, implicit prompt": len(IMPLICIT_TEXT_ROWS)})
+        report = assert_trl_parity(tokenizer, trl_trainer_for, IMPLICIT_CHAT_ROWS, CHAT_MAX_LENGTH)
+        assert report.formats == Counter({"chat chosen/rejected, implicit prompt": len(IMPLICIT_CHAT_ROWS)})
+
+
+OPENRLHF_ROWS = [pair_row("1+2=", "3", "4"), pair_row("what is 1+2?", "3", "4 5"), pair_row("hi", "yes", "no")]
+
+
+@pytest.mark.slow
+def test_apply_chat_template_and_input_template_match_trl(tok, bpe_tok, trl_trainer_for):
+    """Text rows with --apply_chat_template == TRL's conversational rows; --input_template == TRL's rows with the
+    prompt formatted first (OpenRLHF formats, then tokenizes)."""
+    template = "User: {}\nAssistant: "
+    chat = [{"prompt": user(r["prompt"]), "chosen": assistant(r["chosen"]), "rejected": assistant(r["rejected"])}
+            for r in OPENRLHF_ROWS]
+    formatted = [{**r, "prompt": template.format(r["prompt"])} for r in OPENRLHF_ROWS]
+    for tokenizer in (tok, bpe_tok):
+        assert_trl_parity(tokenizer, trl_trainer_for, chat, CHAT_MAX_LENGTH, OPENRLHF_ROWS, apply_chat_template=True)
+        assert_trl_parity(tokenizer, trl_trainer_for, formatted, CHAT_MAX_LENGTH, OPENRLHF_ROWS,
+                          input_template=template)
+
+
+def test_flags_reach_the_tokenizer(tok):
+    """--apply_chat_template and --input_template parse into PreferenceDataConfig and reach tokenize_pairs."""
+    from openpack.cli import train_dpo
+    from openpack.cli.config import parse_config
+    from openpack.trainers.dpo_worker import _tokenize
+
+    def data_config(*flags):
+        return parse_config(["--pretrain", "m", "--dataset", "d.jsonl", *flags], "t", "", *train_dpo.CONFIGS)[1]
+
+    pairs, _ = _tokenize(rows_of(pair_row()), tok, data_config("--apply_chat_template"), False)
+    assert pairs[0].prompt == CHAT_PROMPT
+    pairs, _ = _tokenize(rows_of(pair_row()), tok, data_config("--input_template", "q: {}\na: "), False)
+    assert tok.decode(pairs[0].prompt) == "q: 1+2=\na: "

@@ -101,15 +101,15 @@ def test_non_string_value_is_an_error(tok):
     assert "--output_key" in str(err.value)
 
 
-def test_template_that_does_not_extend_the_prompt_is_a_bad_row(tok):
+def test_template_whose_prompt_is_not_a_prefix_splits_where_they_differ(tok, caplog):
+    """TRL's rule, not an error: the generation prompt says 'assistant: ' but the answer turn 'bot: ', so the tokens
+    part after '<bos>user: 1+2=\\n' (12 tokens); the rest of the whole text is the target, and a warning says so."""
     odd = build_demo_tokenizer()
-    # The generation prompt says "assistant: " but the answer turn says "bot: ".
     odd.chat_template = odd.chat_template.replace("'assistant: ' }}{% generation", "'bot: ' }}{% generation")
-    rows = rows_of({"prompt": "1+2=", "response": "3"})
-    with pytest.raises(DataError, match="does not start with"):
-        tokenize(odd, rows)
-    with pytest.raises(DataError, match="no SFT samples left"):
-        tokenize(odd, rows, skip_bad_samples=True)
+    samples, _ = tokenize(odd, rows_of({"prompt": "1+2=", "response": "3"}))
+    assert odd.decode(samples[0].tokens) == "<bos>user: 1+2=\nbot: 3<eos>"
+    assert samples[0].targets == [False] * 12 + [True] * 7
+    assert "1 samples: the tokenized prompt is not a prefix" in caplog.text
 
 
 # Lengths: "1+2=" -> 23 prompt + 2 response tokens; "1+2=" with "333" -> 23 + 4 = 27.
@@ -164,3 +164,285 @@ def test_nothing_left_says_how_many_were_dropped_and_skipped(tok):
     message = str(err.value)
     assert "no SFT samples left from 2 rows" in message and "1 dropped and 1 skipped" in message
     assert "over --max_len" in message and "missing key 'prompt'" in message
+
+
+# ---- formats: conversations, TRL prompt/completion, OpenRLHF's keys and --input_template -------------------------
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def assistant(text):
+    return [{"role": "assistant", "content": text}]
+
+
+# "user: 2+2=\nassistant: " after the first answer: the demo template writes <bos> once, at the start
+SECOND_TURN = [*USER, 6, 42, 6, 44, 41, *ASSISTANT]  # 22 tokens
+TWO_TURNS = user("1+2=") + assistant("3") + user("2+2=") + assistant("4")
+
+
+def test_messages_row_trains_on_assistant_turns_only(tok):
+    """TRL's assistant_only_loss: the {% generation %} spans ('3<eos>', '4<eos>') are targets, nothing else."""
+    samples, report = tokenize(tok, rows_of({"messages": TWO_TURNS}))
+    assert samples[0].tokens == PROMPT_1_PLUS_2 + [7, EOS] + SECOND_TURN + [8, EOS]
+    assert samples[0].targets == [False] * 23 + [True] * 2 + [False] * 22 + [True] * 2
+    assert report.formats == Counter({"conversation (messages)": 1})
+
+
+def test_conversation_loss_all_trains_on_every_token(tok):
+    samples, _ = tokenize(tok, rows_of({"messages": TWO_TURNS}), conversation_loss="all")
+    assert samples[0].tokens == PROMPT_1_PLUS_2 + [7, EOS] + SECOND_TURN + [8, EOS]
+    assert samples[0].targets == [True] * 49
+
+
+def test_messages_key_flag(tok):
+    samples, report = tokenize(tok, rows_of({"chat": TWO_TURNS}), messages_key="chat")
+    assert len(samples[0].tokens) == 49 and report.formats == Counter({"conversation (chat)": 1})
+
+
+def test_trl_prompt_completion_text(tok):
+    """{"prompt", "completion"} is TRL's format; text appends eos and trains on the completion."""
+    samples, report = tokenize(tok, rows_of({"prompt": "1+2=", "completion": "3"}), apply_chat_template=False)
+    assert samples == [SFTSample([5, 42, 6, 44, 7, EOS], [False] * 4 + [True, True], "train.jsonl:1")]
+    assert report.formats == Counter({"text prompt/completion": 1})
+
+
+def test_trl_prompt_completion_messages_need_no_flag(tok):
+    """Lists of messages are always templated, as TRL does; the completion is the target."""
+    row = {"prompt": user("1+2="), "completion": assistant("3")}
+    samples, report = tokenize(tok, rows_of(row), apply_chat_template=False)
+    assert samples == [SFTSample(PROMPT_1_PLUS_2 + [7, EOS], [False] * 23 + [True] * 2, "train.jsonl:1")]
+    assert report.formats == Counter({"chat prompt/completion": 1})
+
+
+def test_text_mixed_with_messages_needs_apply_chat_template(tok):
+    row = {"prompt": user("1+2="), "response": "3"}
+    match = r"train.jsonl:1: 'prompt' is messages, 'response' is text.*--apply_chat_template"
+    with pytest.raises(DataError, match=match) as err:
+        tokenize(tok, rows_of(row), apply_chat_template=False)
+    assert err.value.reason == "text mixed with messages"
+
+
+def test_completion_starts_where_prompt_and_whole_diverge(tok, bpe_tok):
+    """TRL's rule: tokenize the prompt and prompt+completion; the completion starts at their first difference.
+
+    BPE: 'Assistant: ' ends with the token 'Ġ' alone, 'Assistant: 3' with 'Ġ3': the whole text's tokens are
+    kept and 'Ġ3' is the first target. Demo tokenizer: 'ab<eo' + 's>x' reads '<eos>' as one token.
+    """
+    row = {"prompt": "User: 1+2=\nAssistant: ", "response": "3"}
+    samples, _ = tokenize(bpe_tok, rows_of(row), apply_chat_template=False)
+    whole = bpe_tok("User: 1+2=\nAssistant: 3<|im_end|>")["input_ids"]
+    assert samples[0].tokens == whole and bpe_tok.convert_ids_to_tokens(whole[-2:]) == ["Ġ3", "<|im_end|>"]
+    assert samples[0].targets == [False] * (len(whole) - 2) + [True, True]
+    samples, _ = tokenize(tok, rows_of({"prompt": "ab<eo", "response": "s>x"}), apply_chat_template=False)
+    assert samples == [SFTSample([14, 15, EOS, 37, EOS], [False, False, True, True, True], "train.jsonl:1")]
+
+
+def test_input_template_formats_text_prompts(tok):
+    """OpenRLHF's --input_template: the prompt becomes template.format(prompt); 'q: 1+2=\\na: ' is 11 tokens."""
+    rows = rows_of({"prompt": "1+2=", "response": "3"})
+    samples, _ = tokenize(tok, rows, apply_chat_template=False, input_template="q: {}\na: ")
+    assert tok.decode(samples[0].tokens) == "q: 1+2=\na: 3<eos>"
+    assert samples[0].targets == [False] * 11 + [True] * 2
+
+
+@pytest.mark.parametrize("template, chat, match", [
+    ("q: ", False, r"--input_template 'q: ' has no \{\}"),
+    ("q: {}\\na: ", False, r"--input_template .* the two characters \\n"),
+    ("q: {}\na: ", True, "--input_template formats plain-text prompts.*--apply_chat_template"),
+])
+def test_input_template_errors(tok, template, chat, match):
+    with pytest.raises(DataError, match=match):
+        tokenize(tok, rows_of({"prompt": "1+2=", "response": "3"}), apply_chat_template=chat, input_template=template)
+
+
+def test_unsupported_shape_lists_the_accepted_formats(tok):
+    with pytest.raises(DataError) as err:
+        tokenize(tok, rows_of({"text": "1+2=3"}), input_key="q", output_key="a")
+    message = str(err.value)
+    assert message.startswith("train.jsonl:1: ") and "['text']" in message and "--skip_bad_samples" in message
+    for example in ('{"messages": [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]}',
+                    '{"q": "1+2=", "a": "3"}', '{"prompt": "1+2=", "completion": "3"}'):
+        assert example in message
+    assert all(flag in message for flag in ("--messages_key", "--input_key", "--output_key"))
+
+
+@pytest.mark.parametrize("row", [
+    {"messages": [{"role": "usr", "content": "1+2="}, *assistant("3")]},
+    {"prompt": [{"role": "usr", "content": "1+2="}], "completion": assistant("3")},
+    {"prompt": [{"role": "usr", "content": "1+2="}], "response": "3"},
+])
+def test_unknown_chat_role_is_an_error_naming_the_row(tok, row):
+    with pytest.raises(DataError, match=r"train.jsonl:1: .*message 0 has role 'usr'.*system, developer, user, "
+                                        r"assistant, tool.*--skip_bad_samples") as err:
+        tokenize(tok, rows_of(row))
+    assert err.value.reason == "unknown chat role"
+
+
+def test_assistant_loss_needs_generation_markers(tok):
+    unmarked = build_demo_tokenizer()
+    unmarked.chat_template = unmarked.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    rows = rows_of({"messages": TWO_TURNS})
+    with pytest.raises(DataError, match=r"\{% generation %\}.*--conversation_loss all") as err:
+        tokenize(unmarked, rows, skip_bad_samples=True)  # the tokenizer's problem, not a row's: never skipped
+    assert err.value.reason is None
+    samples, _ = tokenize(unmarked, rows, conversation_loss="all")
+    assert len(samples[0].tokens) == 49
+
+
+def test_conversation_with_no_assistant_turn_is_a_bad_row(tok):
+    rows = rows_of({"messages": user("1+2=")}, {"messages": TWO_TURNS})
+    with pytest.raises(DataError, match=r"train.jsonl:1: 'messages' has no assistant turn.*--conversation_loss all"):
+        tokenize(tok, rows)
+    samples, report = tokenize(tok, rows, skip_bad_samples=True)
+    assert [s.row for s in samples] == [1] and report.skipped == Counter({"no assistant turn": 1})
+
+
+def test_conversation_truncation(tok):
+    """keep_start: the first --max_len tokens; a conversation whose first answer starts past them is dropped."""
+    samples, report = tokenize(tok, rows_of({"messages": TWO_TURNS}), max_len=30)
+    assert samples[0].tokens == (PROMPT_1_PLUS_2 + [7, EOS] + SECOND_TURN)[:30]
+    assert samples[0].targets == [False] * 23 + [True] * 2 + [False] * 5 and report.truncated == 1
+    rows = rows_of({"messages": TWO_TURNS}, SHORT)  # 1+2= | 3<eos> as text: 6 tokens
+    samples, report = tokenize(tok, rows, max_len=23, apply_chat_template=False)
+    assert [s.source for s in samples] == ["train.jsonl:2"]
+    assert report.drop_reasons == Counter({"prompt fills --max_len, no response left": 1})
+
+
+def test_report_summary(tok):
+    """The driver's "data: ..." line: rows per format, then what --max_len and --skip_bad_samples did."""
+    rows = rows_of({"messages": TWO_TURNS}, {"prompt": "1+2=", "completion": "3"}, LONG, {"q": 1}, SHORT,
+                   {"prompt": "1+2=1+2=", "response": "3"})
+    samples, report = tokenize(tok, rows, max_len=25, skip_bad_samples=True)
+    assert report.summary(len(samples), 25, Counter({"malformed json": 2})) == (
+        "4 samples from 6 rows (3 chat prompt/response, 1 chat prompt/completion, 1 conversation (messages)); "
+        "2 truncated to --max_len 25; dropped: 1 prompt fills --max_len, no response left; "
+        "skipped: 2 malformed json, 1 missing key 'prompt'")
+
+
+# ---- parity with TRL's own SFTTrainer -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trl_sft_for(tmp_path_factory):
+    """TRL 1.16's SFTTrainer._prepare_dataset output (input_ids, labels) for the rows, each indexed as ``row``."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from openpack.models.tiny import tiny_causal_lm
+
+    def build(tokenizer, rows, max_length, assistant_only_loss=False):
+        args = SFTConfig(output_dir=str(tmp_path_factory.mktemp("trl")), use_cpu=True, bf16=False, report_to=[],
+                         max_length=max_length, dataset_num_proc=None, assistant_only_loss=assistant_only_loss)
+        indexed = Dataset.from_list([{**row, "row": i} for i, row in enumerate(rows)])
+        model = tiny_causal_lm("llama", vocab_size=len(tokenizer), seed=0)
+        return list(SFTTrainer(model=model, args=args, train_dataset=indexed, processing_class=tokenizer).train_dataset)
+
+    return build
+
+
+def assert_trl_sft_parity(tokenizer, trl_sft_for, trl_rows, max_length, ours_rows=None, assistant_only_loss=False,
+                          **ours):
+    """Same kept rows, same input_ids, and our targets == TRL's labels != -100, token for token."""
+    trl_examples = trl_sft_for(tokenizer, trl_rows, max_length, assistant_only_loss)
+    settings = dict(input_key="prompt", output_key="completion", apply_chat_template=False, max_len=max_length,
+                    conversation_loss="assistant" if assistant_only_loss else "all")
+    samples, report = tokenize_sft(rows_of(*(ours_rows or trl_rows)), tokenizer, **{**settings, **ours})
+    assert [s.row for s in samples] == [ex["row"] for ex in trl_examples]
+    for ex, sample in zip(trl_examples, samples):
+        assert sample.tokens == ex["input_ids"]
+        assert sample.targets == [label != -100 for label in ex["labels"]]
+    return report
+
+
+CONVERSATIONS = [  # demo template: 25 tokens per answered turn of a 1-digit sum
+    TWO_TURNS,
+    [{"role": "system", "content": "be brief"}, *user("x"), *assistant("yes")],
+    user("count") + assistant("1 2 3 4 5 6 7 8 9 10 11 12 13 14 15"),  # 25 + 36 tokens: cut at 40
+    user("hi") + assistant("hello") + user("bye") + assistant(""),  # an empty answer still trains its eos
+    user("long " * 8) + assistant("a"),  # the answer starts past 40 tokens: dropped (no target left)
+    [{"role": "tool", "content": "42"}, *user("ok?"), *assistant("ok")],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("assistant_only_loss", [True, False])
+def test_conversations_match_trl(tok, bpe_tok, trl_sft_for, assistant_only_loss):
+    rows = [{"messages": conversation} for conversation in CONVERSATIONS]
+    for tokenizer in (tok, bpe_tok):
+        report = assert_trl_sft_parity(tokenizer, trl_sft_for, rows, 40, assistant_only_loss=assistant_only_loss)
+        assert report.formats == Counter({"conversation (messages)": len(rows)})
+
+
+TEXT_PAIRS = [
+    ("1+2=", "3"),
+    ("9+0=", "9<eos>"),  # eos already there: not doubled
+    ("ab<eo", "s>x"),  # the prompt's tail merges into '<eos>'
+    ("x<bos>y", "z"),
+    ("User: 1+2=\nAssistant: ", "3"),  # BPE: 'Ġ' + '3' merge into 'Ġ3'
+    ("the sky is", " blue"),
+    ("5+5=", "1" * 20),  # cut at 16
+    ("p" * 15, "yes"),  # one completion token survives
+    ("p" * 16, "yes"),  # the prompt fills max_length: dropped
+]
+
+
+@pytest.mark.slow
+def test_text_prompt_completion_matches_trl(tok, bpe_tok, trl_sft_for):
+    from tokenizers.processors import TemplateProcessing
+
+    bos_tok = build_demo_tokenizer()  # adds <bos> to encoded text, as Llama's does; TRL tokenizes text with it
+    bos_tok.backend_tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
+    rows = [{"prompt": p, "completion": c} for p, c in TEXT_PAIRS]
+    for tokenizer, max_length in ((tok, 16), (bos_tok, 17), (bpe_tok, 16)):
+        report = assert_trl_sft_parity(tokenizer, trl_sft_for, rows, max_length)
+        assert report.formats == Counter({"text prompt/completion": len(rows)})
+
+
+CHAT_PAIRS = [
+    (user("1+2="), assistant("3")),
+    (user("hi") + assistant("hello") + user("2+2="), assistant("4")),
+    ([{"role": "system", "content": "be brief"}, *user("x")], assistant("y")),
+    (user("count"), assistant("1 2 3 4 5 6 7 8 9 10 11 12")),  # cut at 40
+    (user("long " * 8), assistant("a")),  # the prompt fills 40 tokens: dropped
+]
+
+
+@pytest.mark.slow
+def test_chat_prompt_completion_matches_trl(tok, bpe_tok, trl_sft_for):
+    rows = [{"prompt": p, "completion": c} for p, c in CHAT_PAIRS]
+    for tokenizer in (tok, bpe_tok):
+        assert_trl_sft_parity(tokenizer, trl_sft_for, rows, 40)
+
+
+@pytest.mark.slow
+def test_openrlhf_keys_match_trl(tok, bpe_tok, trl_sft_for):
+    """--input_key/--output_key rows: with --apply_chat_template the text becomes a user and an assistant turn
+    (TRL's conversational prompt/completion); with --input_template the prompt is formatted first."""
+    plain = [{"question": p, "answer": c} for p, c in (("1+2=", "3"), ("what is 1+2?", "3"), ("hi", "yes"))]
+    keys = dict(input_key="question", output_key="answer")
+    for tokenizer in (tok, bpe_tok):
+        chat = [{"prompt": user(r["question"]), "completion": assistant(r["answer"])} for r in plain]
+        report = assert_trl_sft_parity(tokenizer, trl_sft_for, chat, 64, plain, apply_chat_template=True, **keys)
+        assert report.formats == Counter({"chat question/answer": 3})
+        template = "User: {}\nAssistant: "
+        formatted = [{"prompt": template.format(r["question"]), "completion": r["answer"]} for r in plain]
+        assert_trl_sft_parity(tokenizer, trl_sft_for, formatted, 64, plain, input_template=template, **keys)
+
+
+def test_flags_reach_the_tokenizer(tok):
+    """--messages_key, --conversation_loss and --input_template parse into DataConfig and reach tokenize_sft."""
+    from openpack.cli import train_sft
+    from openpack.cli.config import parse_config
+    from openpack.trainers.sft_worker import _tokenize
+
+    def data_config(*flags):
+        return parse_config(["--pretrain", "m", "--dataset", "d.jsonl", *flags], "t", "", *train_sft.CONFIGS)[1]
+
+    samples, _ = _tokenize(rows_of({"chat": TWO_TURNS}), tok, data_config("--messages_key", "chat",
+                                                                          "--conversation_loss", "all"), False)
+    assert samples[0].targets == [True] * 49
+    samples, _ = _tokenize(rows_of(SHORT), tok, data_config("--input_template", "q: {}\na: "), False)
+    assert tok.decode(samples[0].tokens) == "q: 1+2=\na: 3<eos>"

@@ -1,0 +1,107 @@
+"""What SFT and preference rows share: chat-message checks, --input_template, the common-prefix split, the summary line.
+
+A row's format is read from its keys (``sft.py`` and ``preference.py`` say
+which keys mean what) and its values: a string is text, a non-empty list of
+``{"role", "content"}`` dicts is a conversation, rendered by the tokenizer's
+chat template. The checks here run on every row before any template does,
+because a template renders a misspelt role as text ("usr: ...") or fails deep
+inside jinja; here the error names the row, the message and the role.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from openpack.data.loading import DataError
+
+SKIP_FIX = "or pass --skip_bad_samples to skip and count such rows"
+# The roles of OpenAI's chat format that chat templates render; "developer" is its newer name for "system".
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def is_messages(value) -> bool:
+    """A non-empty list of ``{"role": str, "content": str}`` dicts."""
+    def is_message(m):
+        return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+    return isinstance(value, list) and len(value) > 0 and all(is_message(m) for m in value)
+
+
+def check_roles(messages: list[dict], source: str, key: str) -> None:
+    """Every message's role is one of CHAT_ROLES; else a DataError naming the row, the message and the role."""
+    for index, message in enumerate(messages):
+        if message["role"] not in CHAT_ROLES:
+            raise DataError(
+                f"{source}: {key!r} message {index} has role {message['role']!r}; the roles a chat template knows are "
+                f"{', '.join(CHAT_ROLES)}. Fix the row, {SKIP_FIX}",
+                "unknown chat role",
+            )
+
+
+def as_turn(value, role: str) -> list[dict]:
+    """A text value as a one-message conversation (--apply_chat_template); a conversation as it is."""
+    return value if isinstance(value, list) else [{"role": role, "content": value}]
+
+
+def need_chat_template(tokenizer) -> None:
+    """Rows with chat messages (or --apply_chat_template) need a tokenizer with a chat template; never skippable."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "the rows hold chat messages but the tokenizer has no chat template; use a tokenizer (--pretrain) that "
+            "has one, or give the rows as plain text"
+        )
+
+
+def render_chat(tokenizer, source: str, messages: list, **kwargs) -> str:
+    """``apply_chat_template(messages, tokenize=False)``; a template that rejects the row names the row."""
+    from jinja2 import TemplateError  # transformers' dependency; imported here so the module stays light
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except TemplateError as err:  # e.g. a template's raise_exception("roles must alternate")
+        raise DataError(f"{source}: the chat template rejects this row: {err}; fix the row, {SKIP_FIX}",
+                        "rejected by the chat template") from err
+
+
+def check_input_template(template: str | None, apply_chat_template: bool) -> None:
+    """--input_template must hold ``{}`` and real newlines, and cannot be combined with the chat template."""
+    if template is None:
+        return
+    if "{}" not in template:
+        raise DataError(f"--input_template {template!r} has no {{}} where the prompt goes; write it like "
+                        "'User: {}\\nAssistant: ' (with a real newline), or drop --input_template")
+    if "\\n" in template:
+        raise DataError(f"--input_template {template!r} holds the two characters \\n, not a newline; in bash pass "
+                        "$'User: {}\\nAssistant: ', or put the template in the --config YAML file")
+    if apply_chat_template:
+        raise DataError("--input_template formats plain-text prompts and --apply_chat_template makes them chat turns; "
+                        "drop one of the two")
+
+
+def fill_template(template: str | None, prompt: str) -> str:
+    """OpenRLHF's ``input_template.format(prompt)``, with ``{}`` the only field (other braces are text)."""
+    return prompt if template is None else template.replace("{}", prompt)
+
+
+def common_prefix(ids: list[int], other: list[int]) -> int:
+    """Length of the longest common prefix: where TRL starts a completion (its ``common_prefix_length``)."""
+    n = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def summary(kept: int, noun: str, rows: int, formats: Counter, truncated: int, max_len: int, drop_reasons: Counter,
+            skipped: Counter) -> str:
+    """The line the driver logs after tokenizing, e.g. ``"3 samples from 4 rows (3 conversation (messages));
+    1 truncated to --max_len 2048; dropped: none; skipped: 1 malformed json"``."""
+    return (f"{kept} {noun if kept != 1 else noun[:-1]} from {rows} rows ({_counts(formats)}); "
+            f"{truncated} truncated to --max_len {max_len}; dropped: {_counts(drop_reasons)}; "
+            f"skipped: {_counts(skipped)}")
+
+
+def _counts(counter: Counter) -> str:
+    items = sorted((+counter).items(), key=lambda item: (-item[1], item[0]))
+    return ", ".join(f"{n} {what}" for what, n in items) or "none"
