@@ -25,9 +25,14 @@ DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" /
 
 @dataclass
 class PreferenceDataConfig(DatasetConfig):
-    prompt_key: str = arg("prompt", "key of the prompt in each row")
+    prompt_key: str = arg("prompt", "key of the prompt in each row; a row without it holds two whole conversations "
+                          "whose shared start is the prompt (TRL's implicit prompt)")
     chosen_key: str = arg("chosen", "key of the preferred response")
     rejected_key: str = arg("rejected", "key of the dispreferred response")
+    apply_chat_template: bool = arg(False, "text prompts become a user turn and text responses assistant turns of the "
+                                    "tokenizer's chat template (lists of messages always do)")
+    input_template: str | None = arg(None, "text prompts become this with {} replaced by the prompt, e.g. "
+                                     "$'User: {}\\nAssistant: ' (OpenRLHF's flag)")
 
 
 @dataclass

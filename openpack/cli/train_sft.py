@@ -43,9 +43,16 @@ class DatasetConfig:
 
 @dataclass
 class DataConfig(DatasetConfig):
-    input_key: str = arg("prompt", "key of the prompt in each row")
-    output_key: str = arg("response", "key of the response in each row")
-    apply_chat_template: bool = arg(False, "format prompt/response with the tokenizer's chat template")
+    input_key: str = arg("prompt", "key of the prompt in each row (else TRL's prompt/completion keys are read)")
+    output_key: str = arg("response", "key of the response in each row, the only part trained on")
+    apply_chat_template: bool = arg(False, "text prompt/response become a user and an assistant turn of the tokenizer's "
+                                    "chat template (lists of messages always do)")
+    messages_key: str = arg("messages", "key of a whole conversation (a list of {role, content} messages); a row "
+                            "with it is a conversation, whatever else it holds")
+    conversation_loss: str = arg("assistant", "tokens of a conversation (--messages_key) trained on: the assistant "
+                                 "turns (TRL's assistant_only_loss), or all of them", choices=["assistant", "all"])
+    input_template: str | None = arg(None, "text prompts become this with {} replaced by the prompt, e.g. "
+                                     "$'User: {}\\nAssistant: ' (OpenRLHF's flag)")
 
 
 @dataclass

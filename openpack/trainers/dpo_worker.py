@@ -44,8 +44,7 @@ def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_s
     barrier()  # torchrun: rank 0 wrote the demo data
     rows = load_data_rows(datasets, data_cfg, train_cfg.seed)
     pairs, report = _tokenize(rows, tokenizer, data_cfg, data_cfg.skip_bad_samples)
-    logger.info("data: %d pairs (%d truncated, %d dropped over --max_len %d; skipped: %s)", len(pairs),
-                report.truncated, report.dropped, data_cfg.max_len, dict(rows.skipped + report.skipped) or "none")
+    logger.info("data: %s", report.summary(len(pairs), data_cfg.max_len, rows.skipped))
     scoring = dpo_cfg.ref_logps_cache is not None and needs_reference(dpo_cfg.losses()[0])
     return pairs, plan_ranks(pairs, _segments, datasets, train_cfg, world_size, _fingerprint(pairs), scoring)
 
@@ -94,7 +93,8 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
 
 def _tokenize(rows, tokenizer, data_cfg, skip_bad_samples: bool, warn: bool = True):
     return tokenize_pairs(rows, tokenizer, data_cfg.prompt_key, data_cfg.chosen_key, data_cfg.rejected_key,
-                          data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples, warn)
+                          data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples, warn,
+                          apply_chat_template=data_cfg.apply_chat_template, input_template=data_cfg.input_template)
 
 
 def _segments(pair: PreferencePair, index: int) -> list[Segment]:

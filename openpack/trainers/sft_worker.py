@@ -45,9 +45,7 @@ def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, world_size: int,
     barrier()  # torchrun: rank 0 wrote the demo data
     rows = load_data_rows(datasets, data_cfg, train_cfg.seed)
     samples, report = _tokenize(rows, tokenizer, data_cfg, data_cfg.skip_bad_samples)
-    skipped = dict(rows.skipped + report.skipped) or "none"
-    logger.info("data: %d samples (%d truncated, %d dropped over --max_len %d; skipped: %s)",
-                len(samples), report.truncated, report.dropped, data_cfg.max_len, skipped)
+    logger.info("data: %s", report.summary(len(samples), data_cfg.max_len, rows.skipped))
     return samples, plan_ranks(samples, _segments, datasets, train_cfg, world_size)
 
 
@@ -62,7 +60,7 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None, plan: Ran
         plan = plans[dist.rank]
     else:  # the driver's plan: tokenize only this rank's rows
         rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
-        items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False)[0])
+        items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False, warn=False)[0])
     samples = {i: _segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(samples.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
     run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config)
@@ -75,9 +73,11 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None, plan: Ran
     return 0
 
 
-def _tokenize(rows, tokenizer, data_cfg, skip_bad_samples: bool):
+def _tokenize(rows, tokenizer, data_cfg, skip_bad_samples: bool, warn: bool = True):
     return tokenize_sft(rows, tokenizer, data_cfg.input_key, data_cfg.output_key, data_cfg.apply_chat_template,
-                        data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples)
+                        data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples,
+                        messages_key=data_cfg.messages_key, conversation_loss=data_cfg.conversation_loss,
+                        input_template=data_cfg.input_template, warn=warn)
 
 
 def _segments(sample: SFTSample, index: int) -> list[Segment]:
