@@ -32,24 +32,24 @@ become the same tokens here as in ``DPOTrainer._prepare_dataset`` plus
   sequences after the cut: TRL keeps such pairs, we drop them (below).
   ``--max_len`` defaults to 2048 here: pass ``--max_len 1024`` (or set
   ``DPOConfig(max_length=2048)``) when comparing with TRL's defaults.
-
 * **Implicit prompt.** A row without ``--prompt_key`` holds two whole
   conversations (or texts) in ``chosen`` and ``rejected``; as TRL's
   ``extract_prompt`` does, their shared leading turns (or characters, less a
   trailing space) are the prompt and the rest the completions.
 * **OpenRLHF's flags.** ``--apply_chat_template`` makes a text prompt a user
   turn and text completions assistant turns, which TRL tokenizes as the
-  conversational row they become; ``--input_template`` (``"User: {}\nAssistant: "``)
-  formats a text prompt before anything else.
+  conversational row they become; ``--input_template``
+  (``"User: {}\\nAssistant: "``) formats a text prompt before anything else.
 
 Where we differ from TRL, on purpose:
 
 * **Pairs identical after truncation are dropped.** Completions that agree
   on more tokens than ``--max_len`` leaves after the prompt become the same
-  sequence after the cut. TRL keeps such a pair, whose loss then has no
-  signal (its margin is 0 whatever the weights) but still counts in the
-  mean, diluting every other pair's gradient. We drop it and count it under
-  ``identical after truncation to --max_len`` in the summary line.
+  sequence after the cut. TRL keeps such a pair: its preference loss is
+  then a constant (the margin is 0 whatever the weights, so no gradient),
+  yet it counts in the mean over pairs and dilutes every other pair's
+  gradient. We drop it and count it under ``identical after truncation to
+  --max_len`` in the summary line.
 * **Stricter rows.** A row with a missing or empty field, a non-string
   value, an unknown chat role, text mixed with messages, an implicit prompt
   that cannot be found (nothing shared, or one side the start of the other),
@@ -236,7 +236,7 @@ def _row_values(row: dict, source: str, keys: dict) -> tuple[list, str]:
     if keys["prompt"] in row:
         return [_field(row, source, keys[name], name, keys) for name in FIELDS], "/".join(keys.values())
     chosen, rejected = (_field(row, source, keys[name], name, keys) for name in ("chosen", "rejected"))
-    return _implicit_prompt(chosen, rejected, source, keys), f"{keys['chosen']}/{keys['rejected']}, implicit prompt"
+    return _implicit_prompt(chosen, rejected, source, keys), f"{keys['chosen']}/{keys['rejected']} (implicit prompt)"
 
 
 def _implicit_prompt(chosen, rejected, source: str, keys: dict) -> list:

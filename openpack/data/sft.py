@@ -47,9 +47,12 @@ Stricter than TRL: a missing key, an empty response, an unknown chat role, a
 conversation with no assistant turn, or a response with no token of its own
 is an error naming the row (or counted with ``--skip_bad_samples``).
 
-Tokenization is batched (one fast-tokenizer call per kind of row), so the
-Rust tokenizer does the work rather than a Python loop; the prompt is
-tokenized twice, alone and with its response, the price of TRL's boundary rule.
+Tokenization is batched (one fast-tokenizer or ``apply_chat_template`` call
+per kind of row), so the Rust tokenizer does the work rather than a Python
+loop; the prompt is tokenized twice, alone and with its response, the price
+of TRL's boundary rule. Measured on 2 (busy) CPU cores with the demo
+tokenizer: 10k rows of a 60- and an 80-character turn take 1.8-2.1 s in
+every format (the old separate tokenization: 1.5-2.0 s).
 """
 
 from __future__ import annotations

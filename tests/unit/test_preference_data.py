@@ -348,14 +348,14 @@ def test_implicit_prompt_conversation(tok):
     row = {"chosen": user("1+2=") + assistant("3"), "rejected": user("1+2=") + assistant("4")}
     pairs, report = tokenize_pairs(rows_of(row), tok)
     assert pairs == [PreferencePair(CHAT_PROMPT, [7, EOS], [8, EOS], "train.jsonl:1")]
-    assert report.formats == Counter({"chat chosen/rejected, implicit prompt": 1})
+    assert report.formats == Counter({"chat chosen/rejected (implicit prompt)": 1})
 
 
 def test_implicit_prompt_text(tok):
     """The shared characters are the prompt, less a trailing space (TRL's rule): '1+2=' | ' 3<eos>' vs ' 4<eos>'."""
     pairs, report = tokenize_pairs(rows_of({"chosen": "1+2= 3", "rejected": "1+2= 4"}), tok)
     assert pairs == [PreferencePair(ONE_PLUS_TWO, [40, 7, EOS], [40, 8, EOS], "train.jsonl:1")]
-    assert report.formats == Counter({"text chosen/rejected, implicit prompt": 1})
+    assert report.formats == Counter({"text chosen/rejected (implicit prompt)": 1})
 
 
 @pytest.mark.parametrize("chosen, rejected, why", [
@@ -453,9 +453,9 @@ IMPLICIT_CHAT_ROWS = [
 def test_implicit_prompt_matches_trl(tok, bpe_tok, trl_trainer_for):
     for tokenizer in (tok, bpe_tok):
         report = assert_trl_parity(tokenizer, trl_trainer_for, IMPLICIT_TEXT_ROWS, TRL_MAX_LENGTH)
-        assert report.formats == Counter({"text chosen/rejected, implicit prompt": len(IMPLICIT_TEXT_ROWS)})
+        assert report.formats == Counter({"text chosen/rejected (implicit prompt)": len(IMPLICIT_TEXT_ROWS)})
         report = assert_trl_parity(tokenizer, trl_trainer_for, IMPLICIT_CHAT_ROWS, CHAT_MAX_LENGTH)
-        assert report.formats == Counter({"chat chosen/rejected, implicit prompt": len(IMPLICIT_CHAT_ROWS)})
+        assert report.formats == Counter({"chat chosen/rejected (implicit prompt)": len(IMPLICIT_CHAT_ROWS)})
 
 
 OPENRLHF_ROWS = [pair_row("1+2=", "3", "4"), pair_row("what is 1+2?", "3", "4 5"), pair_row("hi", "yes", "no")]
@@ -488,3 +488,23 @@ def test_flags_reach_the_tokenizer(tok):
     assert pairs[0].prompt == CHAT_PROMPT
     pairs, _ = _tokenize(rows_of(pair_row()), tok, data_config("--input_template", "q: {}\na: "), False)
     assert tok.decode(pairs[0].prompt) == "q: 1+2=\na: "
+
+
+def test_every_row_in_the_docs_table_prefers_3_to_4(tok):
+    """docs/dpo.md's table of formats: each one-row example is read, with '3' chosen and '4' rejected."""
+    import json
+    import re
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[2] / "docs" / "dpo.md").read_text()
+    table = docs[docs.index("| format | one row |"):].split("\n\n")[0]
+    examples = [json.loads(row) for row in re.findall(r"^\| [^|]+ \| `(\{.*?\})` \|", table, re.M)]
+    assert len(examples) == 4
+    pairs, report = tokenize_pairs(rows_of(*examples), tok)
+    assert len(pairs) == 4 and len(report.formats) == 4
+    for pair in pairs:
+        assert (tok.decode(pair.chosen).strip(), tok.decode(pair.rejected).strip()) == ("3<eos>", "4<eos>")
+    assert tok.decode(pairs[3].prompt) == "1+2=" and tok.decode(pairs[3].chosen) == " 3<eos>"
+    as_chat, _ = tokenize_pairs(rows_of(examples[0]), tok, apply_chat_template=True)
+    same = [(p.prompt, p.chosen, p.rejected) for p in (as_chat[0], pairs[1])]
+    assert same[0] == same[1]  # "the first row of the table then trains exactly as the second"

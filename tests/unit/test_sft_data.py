@@ -446,3 +446,19 @@ def test_flags_reach_the_tokenizer(tok):
     assert samples[0].targets == [True] * 49
     samples, _ = _tokenize(rows_of(SHORT), tok, data_config("--input_template", "q: {}\na: "), False)
     assert tok.decode(samples[0].tokens) == "q: 1+2=\na: 3<eos>"
+
+
+def test_every_row_in_the_docs_table_trains_on_its_answer(tok):
+    """docs/sft.md's table of formats: each one-row example is read, and only '3<eos>' is trained on."""
+    import json
+    import re
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[2] / "docs" / "sft.md").read_text()
+    table = docs[docs.index("| format | one row | trained on |"):].split("\n\n")[0]
+    examples = [json.loads(row) for row in re.findall(r"^\| [^|]+ \| `(\{.*?\})` \|", table, re.M)]
+    assert len(examples) == 4
+    samples, report = tokenize(tok, rows_of(*examples), apply_chat_template=False)
+    assert sum(report.formats.values()) == 4 and len(samples) == 4
+    for sample in samples:
+        assert tok.decode([t for t, target in zip(sample.tokens, sample.targets) if target]) == "3<eos>"
