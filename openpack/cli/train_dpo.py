@@ -137,21 +137,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from openpack.data.loading import DataError
     from openpack.models.loading import ModelLoadError
+    from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.trainers.dpo_worker import build_reference, plan_dpo, run_dpo
 
-    demo_model = demo_sft_model(launch_cfg) if model_cfg.pretrain is None else None
-    group = None
-    if dpo_cfg.ref_num_nodes:
-        from openpack.orchestration.ray_launcher import ReferenceGroupSpec
-
-        group = ReferenceGroupSpec(build_reference, (model_cfg, dpo_cfg, train_cfg, demo_model), dpo_cfg.ref_num_nodes,
-                                   dpo_cfg.ref_num_gpus_per_node)
     try:
-        planner = functools.partial(plan_dpo, *configs[:5], demo_model=demo_model)
-        return launch(run_dpo, configs[:-1], {"demo_model": demo_model,
-                                                  "save_config": functools.partial(save_all, configs)},
-                      configs, planner, reference=group)
-    except (DataError, ModelLoadError) as err:
+        with own_save_path(out_cfg, launched_by_environment()):  # lock + claim --save_path before the demo model
+            demo_model = demo_sft_model(launch_cfg) if model_cfg.pretrain is None else None
+            group = None
+            if dpo_cfg.ref_num_nodes:
+                from openpack.orchestration.ray_launcher import ReferenceGroupSpec
+
+                group = ReferenceGroupSpec(build_reference, (model_cfg, dpo_cfg, train_cfg, demo_model),
+                                           dpo_cfg.ref_num_nodes, dpo_cfg.ref_num_gpus_per_node)
+            planner = functools.partial(plan_dpo, *configs[:5], demo_model=demo_model)
+            return launch(run_dpo, configs[:-1], {"demo_model": demo_model,
+                                                      "save_config": functools.partial(save_all, configs)},
+                          configs, planner, reference=group)
+    except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2
 

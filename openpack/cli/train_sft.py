@@ -14,7 +14,7 @@ from pathlib import Path
 
 from openpack.cli.config import ConfigError, arg, parse_config, save_config
 from openpack.models.attention import BACKENDS
-from openpack.orchestration.launch import launch
+from openpack.orchestration.launch import launch, launched_by_environment
 
 
 @dataclass
@@ -84,12 +84,18 @@ class TrainConfig:
 
 @dataclass
 class OutputConfig:
-    save_path: str = arg("./runs/sft", "folder for config.yaml, metrics.jsonl, loss.png and the final model")
+    save_path: str = arg("./runs/sft", "folder of one run: config.yaml, metrics.jsonl, loss.png, the final model "
+                         "(a new run into another run's folder is refused; see --load_checkpoint, --overwrite)")
     save_steps: int | None = arg(None, "checkpoint every N steps (always at the end)", at_least=1,
                                  special={None: "a checkpoint at the end only"})
     ckpt_path: str | None = arg(None, "folder of DeepSpeed checkpoints; default <save_path>/checkpoints")
-    max_ckpt_num: int = arg(3, "checkpoints to keep", at_least=1)
-    load_checkpoint: bool = arg(False, "resume from the latest checkpoint in --ckpt_path, if any")
+    max_ckpt_num: int = arg(3, "checkpoints of this run to keep", at_least=1)
+    load_checkpoint: bool = arg(False, "resume the run in --save_path from its latest checkpoint, if any (exactly: "
+                                "a change of data order, world size or ZeRO layout is refused)")
+    load_checkpoint_tag: str | None = arg(None, "resume from this checkpoint (e.g. global_step4) instead of the latest; "
+                                          "implies --load_checkpoint")
+    overwrite: bool = arg(False, "start a new run in --save_path even if another run's checkpoints or model are "
+                          "there: they are deleted first (ignored with --load_checkpoint, which resumes that run)")
     logging_steps: int = arg(1, "log metrics every N steps (and the last)", at_least=1)
     use_wandb: str | None = arg(None, "W&B API key, or 'offline' to log locally without network")
     wandb_project: str = arg("openpack", "W&B project")
@@ -158,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from openpack.data.loading import DataError
     from openpack.models.loading import ModelLoadError
+    from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.trainers.sft_worker import plan_sft, run_sft
 
     try:
-        return launch(run_sft, configs[:-1], {"save_config": functools.partial(save_all, configs)}, configs,
-                      functools.partial(plan_sft, *configs[:4]))
-    except (DataError, ModelLoadError) as err:
+        with own_save_path(configs[3], launched_by_environment()):  # lock + claim --save_path before anything starts
+            return launch(run_sft, configs[:-1], {"save_config": functools.partial(save_all, configs)}, configs,
+                          functools.partial(plan_sft, *configs[:4]))
+    except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack train_sft: {err}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ one part-filled pack per step and rank group, reported as packing efficiency.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ class RankStep:
     label_tokens: tuple[int, ...]  # over the step's samples, per segment position (SFT: one; a pair: chosen, rejected)
     rows: int  # micro-batches over all ranks
     max_tokens: int | None
+    digest: str = ""  # what the step trains on, the same on every rank and layout (``step_digest``)
 
     @property
     def packing_efficiency(self) -> float | None:
@@ -127,6 +129,17 @@ def plan_step(
     return StepPlan(sample_ids, [chunks[r::world_size] for r in range(world_size)])
 
 
+def step_digest(sample_ids: Sequence[int], group_lengths: Sequence[Sequence[int]]) -> str:
+    """16 hex digits naming the samples of one step: their ids (sorted) and segment lengths.
+
+    Micro-batching, packing and the world size leave it unchanged (they never change a step's loss);
+    another batch size, seed, data order, ``max_len`` or tokenization changes it. A checkpoint keeps the
+    digests of the steps it has taken, so a resume can tell whether the new plan continues them.
+    """
+    key = repr([(i, tuple(group_lengths[i])) for i in sorted(sample_ids)])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def total_steps(num_samples: int, train_batch_size: int, max_epochs: int, max_steps: int | None) -> int:
     full = num_samples // train_batch_size * max_epochs
     return min(full, max_steps) if max_steps else full
@@ -157,9 +170,11 @@ def plan_run(
             step = plan_step(sample_ids, group_lengths, world_size, batching.max_tokens, batching.micro_batch_size)
             labels = tuple(map(sum, zip(*(group_labels[i] for i in sample_ids))))
             rows = sum(len(mbs) for mbs in step.rank_micro_batches)
+            digest = step_digest(sample_ids, group_lengths)
             for rank, micro_batches in enumerate(step.rank_micro_batches):
                 ranks[rank].append(RankStep(epoch, index, micro_batches, len(sample_ids),
-                                            step.real_tokens(group_lengths), labels, rows, batching.max_tokens))
+                                            step.real_tokens(group_lengths), labels, rows, batching.max_tokens,
+                                            digest))
         epoch += 1
     return ranks
 

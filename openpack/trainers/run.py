@@ -8,6 +8,12 @@ itself and keeps the samples it has just tokenized. A worker prepares its data a
 engine -> resume from the latest checkpoint -> config.yaml -> tracker ->
 steps (checkpointing every ``--save_steps`` and at the end) -> the final HF
 model in ``<save_path>/model``.
+
+A resume continues the checkpoint's run exactly or not at all: the checkpoint
+is verified against its manifest, then its world size and the digests of the
+steps it took are compared with this run's plan (``check_resumable``), all
+before DeepSpeed loads it. The run id (``run.json``, claimed by the CLI)
+stamps every checkpoint, so pruning never deletes another run's.
 """
 
 from __future__ import annotations
@@ -15,17 +21,21 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from openpack.core.batch import Segment
 from openpack.core.schedule import RankPlan, RankStep, plan_run, plan_scoring
 from openpack.data.loading import DataError, Rows, load_rows
-from openpack.distributed.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
+from openpack.distributed.checkpoint import (RunState, check_resumable, decided_by_main, load_checkpoint,
+                                             open_checkpoint, save_checkpoint, save_hf_model)
 from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine
 from openpack.distributed.process import DistInfo, init_distributed
+from openpack.distributed.save_path import checkpoint_dir, current_run, resumes, tag_step
 from openpack.models.attention import set_attention_backend
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers.batching import batching
@@ -104,25 +114,58 @@ class TrainingRun:
         steps = len(plan.steps)
         self.engine = create_engine(PackedCausalLM(model), optim_config(train_cfg, steps), zero_config(model_cfg),
                                     dist.world_size)
-        self.ckpt_path = Path(out_cfg.ckpt_path or self.save_path / "checkpoints")
-        self.position = self._resume() if out_cfg.load_checkpoint else Position()
-        if dist.is_main and save_config is not None:
-            save_config(self.save_path / "config.yaml")
+        self.ckpt_path = checkpoint_dir(self.save_path, out_cfg.ckpt_path)
+        self.run_id = decided_by_main(
+            lambda: current_run(self.save_path, self.ckpt_path, resumes(out_cfg), out_cfg.overwrite).run_id)
+        pending = self.save_path / ".config.yaml.new"  # becomes config.yaml once a resume is known to be exact
+        self.config = self._effective_config(save_config, pending)
+        self.notices: list[str] = []  # shown once the tracker (the console of rank 0) exists
+        try:
+            self.position = self._resume() if resumes(out_cfg) else Position()
+        except BaseException:
+            if self.config is not None:
+                pending.unlink(missing_ok=True)
+            raise
+        if self.config is not None:
+            os.replace(pending, self.save_path / "config.yaml")
         self.tracker = Tracker(str(self.save_path), steps, enabled=dist.is_main, use_wandb=out_cfg.use_wandb,
                                wandb_project=out_cfg.wandb_project, wandb_run_name=out_cfg.wandb_run_name,
-                               use_tensorboard=out_cfg.use_tensorboard, resume=self.position.global_step > 0)
+                               use_tensorboard=out_cfg.use_tensorboard, resume_step=self.position.global_step,
+                               run_id=self.run_id)
+        for notice in self.notices:
+            self.tracker.message(notice)
+
+    def _effective_config(self, save_config, pending: Path) -> dict | None:
+        """Rank 0: the config this run saves (config.yaml), written to ``pending``; None elsewhere."""
+        if not self.dist.is_main or save_config is None:
+            return None
+        save_config(pending)
+        return yaml.safe_load(pending.read_text())
+
+    def _state(self, steps_taken: int) -> RunState:
+        return RunState(self.run_id, self.dist.world_size, self.config or {},
+                        [step.digest for step in self.plan.steps[:steps_taken]])
 
     def _resume(self) -> Position:
-        state = load_checkpoint(self.engine, self.ckpt_path)
-        if state is None:
+        """Verify the checkpoint, refuse a resume that would not be exact, then load it (every rank)."""
+        found = decided_by_main(lambda: open_checkpoint(self.ckpt_path, self.out_cfg.load_checkpoint_tag))
+        if found is None:
+            self.notices.append(f"--load_checkpoint: no checkpoint in {self.ckpt_path}; starting from step 0")
             return Position()
+        folder, saved = found
+        step = tag_step(folder.name)
+        changes = decided_by_main(lambda: check_resumable(folder, saved, self._state(len(self.plan.steps)), step))
+        state = load_checkpoint(self.engine, folder)
         position = Position(**{k: state[k] for k in ("epoch", "step_in_epoch", "global_step")})
-        logger.info("resumed from %s at step %d", self.ckpt_path, position.global_step)
+        self.notices.append(f"resumed from {self.ckpt_path} at step {position.global_step} ({folder.name})")
+        if changes:
+            self.notices.append("resumed with changed settings (saved -> now): "
+                                + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()))
         return position
 
     def save(self, at: Position) -> None:
         save_checkpoint(self.engine, self.tokenizer, self.ckpt_path, at.global_step, asdict(at),
-                        self.out_cfg.max_ckpt_num, self.dist.is_main)
+                        self.out_cfg.max_ckpt_num, self.dist.is_main, self._state(at.global_step))
 
     def train(self, step: Callable[[RankStep], dict]) -> Position:
         """Run the steps, then write the final model; returns where training ended."""

@@ -1,9 +1,12 @@
 """What a user sees and keeps from a training run: a progress bar, metrics.jsonl, loss.png, W&B, TensorBoard.
 
 Rank 0 builds ``Tracker(...)``; other ranks pass ``enabled=False`` and get a
-tracker whose every method does nothing. ``metrics.jsonl`` is written (appended to when
-resuming) and flushed after every step, so a crash keeps every logged step (one small write
-per step, microseconds against a step of a second or more). On a terminal the
+tracker whose every method does nothing. ``metrics.jsonl`` is written and flushed after
+every step, so a crash keeps every logged step (one small write per step, microseconds
+against a step of a second or more). A run resumed at step N (``resume_step``) first drops
+the rows past N (a crash after the last checkpoint logged them, and they are trained
+again), so no step appears twice; TensorBoard purges its events past N and W&B continues
+the run with the same id (``run_id``). On a terminal the
 progress is a live ``rich`` bar; elsewhere (CI, pipes, ``nohup``) it is one
 greppable line per step::
 
@@ -58,7 +61,7 @@ class Tracker:
                  use_wandb: str | None = None, wandb_project: str = "openpack", wandb_run_name: str | None = None,
                  use_tensorboard: str | None = None, config: dict | None = None,
                  progress_keys: tuple = ("loss", "tokens_per_s", "packing_efficiency"), console=None,
-                 resume: bool = False):
+                 resume_step: int = 0, run_id: str | None = None):
         self.enabled, self.closed = enabled, False
         if not enabled:
             return
@@ -70,10 +73,11 @@ class Tracker:
         if save_path is not None:
             os.makedirs(save_path, exist_ok=True)
             path = os.path.join(save_path, "metrics.jsonl")
-            if resume and os.path.exists(path):  # the plot covers the whole run, not just this part
+            if resume_step and os.path.exists(path):  # the plot covers the whole run, not just this part
+                self._keep_rows_until(path, resume_step)
                 self._reload_history(path)
             # a resumed run continues its file; a fresh run into the same folder starts a new one
-            self.metrics_file = open(path, "a" if resume else "w", encoding="utf-8")
+            self.metrics_file = open(path, "a" if resume_step else "w", encoding="utf-8")
         self.progress = None
         if self.console.is_terminal:
             self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
@@ -81,27 +85,34 @@ class Tracker:
                                      console=self.console)
             self.task = self.progress.add_task("train", total=total_steps, metrics="")
             self.progress.start()
-        self.wandb_run = self._init_wandb(use_wandb, wandb_project, wandb_run_name, config) if use_wandb else None
+        self.wandb_run = (self._init_wandb(use_wandb, wandb_project, wandb_run_name, config, run_id)
+                          if use_wandb else None)
         self.tb_writer = None
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_writer = SummaryWriter(log_dir=use_tensorboard)
+            # purge_step: TensorBoard hides the earlier events at steps >= it, which the resumed run logs again
+            self.tb_writer = SummaryWriter(log_dir=use_tensorboard, purge_step=resume_step + 1 if resume_step else None)
 
-    def _init_wandb(self, use_wandb: str, project: str, name: str | None, config: dict | None):
+    def _init_wandb(self, use_wandb: str, project: str, name: str | None, config: dict | None, run_id: str | None):
         import wandb
 
         run_dir = self.save_path or tempfile.mkdtemp(prefix="openpack-wandb-")
+        # The run id of the save path (run.json): a resumed run continues its W&B run. Online, W&B keeps
+        # the steps it already has and ignores a re-logged step at or below them (with a warning), so
+        # steps logged after the last checkpoint keep their first values there; metrics.jsonl and
+        # TensorBoard are rewound exactly. Offline, each part is its own folder with this id.
+        same_run = {"id": run_id, "resume": "allow"} if run_id else {}
         if use_wandb != "offline":
             try:
                 if not wandb_reachable():
                     raise ConnectionError("W&B host unreachable")
                 wandb.login(key=use_wandb)
-                return wandb.init(project=project, name=name, config=config, dir=run_dir)
+                return wandb.init(project=project, name=name, config=config, dir=run_dir, **same_run)
             except Exception as err:  # no network, bad key, W&B outage: keep training, log offline
                 self.message(f"wandb: cannot go online ({err}); logging offline")
         run = wandb.init(project=project, name=name, config=config, dir=run_dir,
-                         settings=wandb.Settings(mode="offline"))
+                         settings=wandb.Settings(mode="offline"), **same_run)
         self.message(f"wandb: offline run; upload later with `wandb sync {os.path.dirname(run.dir)}`")
         return run
 
@@ -139,6 +150,22 @@ class Tracker:
         """Print a line above the progress bar (or plainly when there is none)."""
         if self.enabled:
             self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    @staticmethod
+    def _keep_rows_until(path: str, step: int) -> None:
+        """Drop the rows of steps after ``step`` from ``path``, atomically (a crash leaves the old file whole)."""
+        kept = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):  # a line cut short by the crash
+                    continue
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
 
     def _reload_history(self, path: str) -> None:
         with open(path, encoding="utf-8") as f:

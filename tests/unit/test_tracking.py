@@ -90,9 +90,43 @@ def test_wandb_offline_run_goes_under_save_path(tmp_path):
 def test_fresh_run_starts_a_new_metrics_file_and_resume_continues_it(tmp_path):
     from openpack.trainers.tracking import Tracker
 
-    for steps, resume in (((1, 2), False), ((1,), False), ((2, 3), True)):
-        with Tracker(str(tmp_path), 3, resume=resume) as tracker:
+    for steps, resume_step in (((1, 2), 0), ((1,), 0), ((2, 3), 1)):
+        with Tracker(str(tmp_path), 3, resume_step=resume_step) as tracker:
             for step in steps:
                 tracker.log(step, {"loss": float(step)})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+
+
+def test_resume_drops_the_rows_past_the_resumed_step(tmp_path):
+    """A crash after step 4 was logged but with step 2 the last checkpoint: steps 3-4 are trained again."""
+    rows = [json.dumps({"step": s, "loss": 10.0 + s}) for s in (1, 2, 3, 4)] + ['{"step": 5, "lo']  # cut by the crash
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows))
+    with Tracker(str(tmp_path), 4, resume_step=2) as tracker:
+        for step in (3, 4):
+            tracker.log(step, {"loss": float(step)})
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "loss": 11.0}, {"step": 2, "loss": 12.0}, {"step": 3, "loss": 3.0},
+                     {"step": 4, "loss": 4.0}]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_tensorboard_purges_the_steps_past_the_resumed_one(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    for steps, resume_step, loss in (((1, 2, 3, 4), 0, 10.0), ((3, 4), 2, 1.0)):
+        with Tracker(None, 4, use_tensorboard=str(tb), resume_step=resume_step) as tracker:
+            for step in steps:
+                tracker.log(step, {"loss": loss + step})
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 11.0), (2, 12.0), (3, 4.0), (4, 5.0)]
+
+
+def test_wandb_continues_the_same_run_id(tmp_path):
+    for resume_step in (0, 2):
+        with Tracker(str(tmp_path), 4, use_wandb="offline", resume_step=resume_step, run_id="0123456789ab") as tracker:
+            tracker.log(resume_step + 1, {"loss": 1.0})
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all("-0123456789ab" in run.name for run in runs), runs  # same second: "-1" added
