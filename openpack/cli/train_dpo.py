@@ -15,8 +15,9 @@ from pathlib import Path
 
 from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
-from openpack.cli.train_sft import (DatasetConfig, LaunchConfig, ModelConfig, OutputConfig, TrainConfig,
-                                    check_consistency, save_all, with_demo_defaults)
+from openpack.cli.train_sft import (DatasetConfig, LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce,
+                                    check_consistency, check_inputs, check_template_flags, save_all,
+                                    with_demo_defaults)
 from openpack.core.losses import LOSS_SUMMARIES, PAIR_LOSSES, needs_reference
 from openpack.orchestration.launch import launch, launched_by_environment
 
@@ -33,6 +34,9 @@ class PreferenceDataConfig(DatasetConfig):
                                     "tokenizer's chat template (lists of messages always do)")
     input_template: str | None = arg(None, "text prompts become this with {} replaced by the prompt, e.g. "
                                      "$'User: {}\\nAssistant: ' (OpenRLHF's flag)")
+
+    def validate(self):
+        check_template_flags(self.input_template, self.apply_chat_template)
 
 
 @dataclass
@@ -83,21 +87,21 @@ CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, DPOConf
 ALIASES = {"--ipo": ("loss_type", ["ipo"])}
 
 
-def demo_sft_model(launch_cfg: LaunchConfig) -> Path:
-    """The SFT demo model DPO starts from: the `openpack train_sft` demo, trained once and cached.
+def demo_sft_model(launch_cfg: LaunchConfig, seed: int) -> Path:
+    """The SFT demo model DPO starts from: the `openpack train_sft` demo with DPO's ``--seed``, trained once and cached.
 
     The cache folder is named by a digest of the SFT recipe, the package's code and the library versions
-    (``demo.code_key``), so a model trained by other code is never reused.
+    (``demo.code_key``) and by the seed, so a model trained by other code is never reused.
     """
     from openpack.cli import train_sft
     from openpack.trainers import demo
 
-    cache = demo.cache_root() / f"demo_sft-{demo.code_key(train_sft.DEMO_CONFIG)}"
+    cache = demo.cache_root() / f"demo_sft-{demo.code_key(train_sft.DEMO_CONFIG)}-seed{seed}"
     if not (cache / "model" / "config.json").exists():
         print(f"openpack train_dpo: training the SFT demo model first (cached in {cache})")
         launch_flags = ["--launcher", launch_cfg.launcher] + (["--ray_address", launch_cfg.ray_address]
                                                               if launch_cfg.ray_address else [])
-        if train_sft.main(["--save_path", str(cache), *launch_flags]) != 0:
+        if train_sft.main(["--save_path", str(cache), "--seed", str(seed), *launch_flags]) != 0:
             raise RuntimeError("the SFT demo run failed; see its output above")
     return cache / "model"
 
@@ -118,12 +122,15 @@ def _check_reference_group(dpo_cfg: DPOConfig, launch_cfg: LaunchConfig) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_dpo", DEMO_CONFIG)
+    from openpack.data.loading import DataError
+    from openpack.models.loading import ModelLoadError
+
+    argv, demo_notice = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_dpo", DEMO_CONFIG)
     try:
         configs = parse_config(argv, "openpack train_dpo", __doc__.split("\n\n")[0], *CONFIGS, aliases=ALIASES,
                                epilog=LOSS_HELP)
         model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, launch_cfg = configs
-        check_consistency(model_cfg, SFTDataConfig(dataset=data_cfg.dataset, max_len=1), train_cfg)
+        check_consistency(model_cfg, SFTDataConfig(dataset=data_cfg.dataset, max_len=1), train_cfg, launch_cfg)
         if train_cfg.use_dynamic_batch and 2 * data_cfg.max_len > train_cfg.max_tokens_per_gpu:
             raise ConfigError(
                 f"a pair is up to 2 x --max_len = {2 * data_cfg.max_len} tokens, more than --max_tokens_per_gpu "
@@ -132,17 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         if dpo_cfg.ref_offload and model_cfg.zero_stage != 3:
             raise ConfigError("--ref_offload needs --zero_stage 3 (the reference's parameters are offloaded by ZeRO-3)")
         _check_reference_group(dpo_cfg, launch_cfg)
-    except ConfigError as err:
+        check_inputs(data_cfg.dataset, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": dpo_cfg.ref_pretrain})
+    except (ConfigError, DataError, ModelLoadError) as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2
-    from openpack.data.loading import DataError
-    from openpack.models.loading import ModelLoadError
+    announce("train_dpo", configs, demo_notice)
     from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.trainers.dpo_worker import build_reference, plan_dpo, run_dpo
 
     try:
         with own_save_path(out_cfg, launched_by_environment()):  # lock + claim --save_path before the demo model
-            demo_model = demo_sft_model(launch_cfg) if model_cfg.pretrain is None else None
+            demo_model = demo_sft_model(launch_cfg, train_cfg.seed) if model_cfg.pretrain is None else None
             group = None
             if dpo_cfg.ref_num_nodes:
                 from openpack.orchestration.ray_launcher import ReferenceGroupSpec
@@ -156,4 +163,3 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2
-

@@ -8,11 +8,12 @@ reports held-out exact-match accuracy before and after training.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, arg, parse_config, save_config
+from openpack.cli.config import ConfigError, arg, parse_config, save_config, special_values
 from openpack.models.attention import BACKENDS
 from openpack.orchestration.launch import launch, launched_by_environment
 
@@ -53,6 +54,20 @@ class DataConfig(DatasetConfig):
                                  "turns (TRL's assistant_only_loss), or all of them", choices=["assistant", "all"])
     input_template: str | None = arg(None, "text prompts become this with {} replaced by the prompt, e.g. "
                                      "$'User: {}\\nAssistant: ' (OpenRLHF's flag)")
+
+    def validate(self):
+        check_template_flags(self.input_template, self.apply_chat_template)
+
+
+def check_template_flags(input_template: str | None, apply_chat_template: bool) -> None:
+    """--input_template holds {} and real newlines, and is not combined with --apply_chat_template."""
+    from openpack.data.formats import check_input_template
+    from openpack.data.loading import DataError
+
+    try:
+        check_input_template(input_template, apply_chat_template)
+    except DataError as err:
+        raise ConfigError(str(err)) from err
 
 
 @dataclass
@@ -120,8 +135,22 @@ class LaunchConfig:
 CONFIGS = (ModelConfig, DataConfig, TrainConfig, OutputConfig, LaunchConfig)
 
 
-def check_consistency(model: ModelConfig, data: DataConfig, train: TrainConfig) -> None:
+def planned_world_size(launch_cfg: LaunchConfig) -> int:
+    """The ranks the run will have: torchrun's WORLD_SIZE, 1 with --launcher local, else the Ray layout."""
+    if launched_by_environment():
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return 1 if launch_cfg.launcher == "local" else launch_cfg.num_nodes * launch_cfg.num_gpus_per_node
+
+
+def check_consistency(model: ModelConfig, data: DataConfig, train: TrainConfig, launch_cfg: LaunchConfig) -> None:
     """Checks that span several config groups."""
+    world = planned_world_size(launch_cfg)
+    if not train.use_dynamic_batch and train.train_batch_size % (train.micro_train_batch_size * world):
+        raise ConfigError(
+            f"--train_batch_size {train.train_batch_size} does not split into micro-batches of "
+            f"--micro_train_batch_size {train.micro_train_batch_size} on {world} rank(s); make it a multiple of "
+            f"{train.micro_train_batch_size * world}, or pass --packing_samples --use_dynamic_batch"
+        )
     if (model.pretrain is None) != (data.dataset is None):
         raise ConfigError(
             "give --pretrain and --dataset together, or neither for the built-in demo "
@@ -141,12 +170,39 @@ def check_consistency(model: ModelConfig, data: DataConfig, train: TrainConfig) 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "sft.yaml"
 
 
-def with_demo_defaults(argv: list[str], command: str, demo_config: Path) -> list[str]:
-    """No --pretrain, --dataset or --config: the built-in demo, its defaults from a YAML shown to the user."""
+def with_demo_defaults(argv: list[str], command: str, demo_config: Path) -> tuple[list[str], str | None]:
+    """No --pretrain, --dataset or --config: the built-in demo, its defaults from a YAML shown to the user.
+
+    Returns the argv to parse and the line announcing the demo (printed once the flags are known good).
+    """
     if any(a.split("=")[0] in ("--pretrain", "--dataset", "--config", "-h", "--help") for a in argv):
-        return argv
-    print(f"openpack {command}: no --pretrain/--dataset, running the built-in demo with defaults from {demo_config}")
-    return ["--config", str(demo_config), *argv]
+        return argv, None
+    notice = f"openpack {command}: no --pretrain/--dataset, running the built-in demo with defaults from {demo_config}"
+    return ["--config", str(demo_config), *argv], notice
+
+
+def check_inputs(datasets: list[str] | None, models: dict[str, str | None]) -> None:
+    """Before Ray, DeepSpeed or a model load: every local --dataset can be read and every model flag's config loads.
+
+    Raises DataError or ModelLoadError, whose messages name the flag.
+    """
+    from openpack.data.loading import check_dataset_files
+    from openpack.models.loading import load_model_config
+
+    if datasets:
+        check_dataset_files(datasets)
+    for flag, name in models.items():
+        if name is not None:
+            load_model_config(name, flag)
+
+
+def announce(command: str, configs: tuple, demo_notice: str | None) -> None:
+    """What is about to run: the demo notice, and every flag whose value has a meaning of its own."""
+    if demo_notice:
+        print(demo_notice)
+    special = special_values(*configs)
+    if special:
+        print(f"openpack {command}: " + "; ".join(special))
 
 
 def save_all(configs: tuple, path: Path) -> None:
@@ -155,15 +211,18 @@ def save_all(configs: tuple, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_sft", DEMO_CONFIG)
-    try:
-        configs = parse_config(argv, "openpack train_sft", __doc__.split("\n\n")[0], *CONFIGS)
-        check_consistency(*configs[:3])
-    except ConfigError as err:
-        print(f"openpack train_sft: {err}", file=sys.stderr)
-        return 2
     from openpack.data.loading import DataError
     from openpack.models.loading import ModelLoadError
+
+    argv, demo_notice = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_sft", DEMO_CONFIG)
+    try:
+        configs = parse_config(argv, "openpack train_sft", __doc__.split("\n\n")[0], *CONFIGS)
+        check_consistency(*configs[:3], configs[-1])
+        check_inputs(configs[1].dataset, {"--pretrain": configs[0].pretrain})
+    except (ConfigError, DataError, ModelLoadError) as err:
+        print(f"openpack train_sft: {err}", file=sys.stderr)
+        return 2
+    announce("train_sft", configs, demo_notice)
     from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.trainers.sft_worker import plan_sft, run_sft
 

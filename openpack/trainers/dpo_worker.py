@@ -24,7 +24,7 @@ from openpack.distributed.process import barrier
 from openpack.models.loading import load_causal_lm, load_tokenizer
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers import demo, reference
-from openpack.trainers.batching import MicroBatcher
+from openpack.trainers.batching import MicroBatcher, warn_if_memory_short
 from openpack.trainers.dpo import PreferenceObjective, dpo_step
 from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
 
@@ -59,6 +59,9 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
     model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing).to(dist.device)
+    colocated = needs_reference(dpo_cfg.losses()[0]) and reference_group is None and dpo_cfg.ref_logps_cache is None
+    warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2,
+                         frozen_params=sum(p.numel() for p in model.parameters()) if colocated else 0)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
         items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, dist.world_size,
                                           demo_model, dist.is_main)

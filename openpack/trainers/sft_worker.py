@@ -25,7 +25,7 @@ from openpack.data.sft import SFTSample, tokenize_sft
 from openpack.distributed.process import barrier
 from openpack.models.loading import load_tokenizer
 from openpack.trainers import demo
-from openpack.trainers.batching import MicroBatcher
+from openpack.trainers.batching import MicroBatcher, warn_if_memory_short
 from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
 from openpack.trainers.sft import train_step
 
@@ -55,6 +55,7 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None, plan: Ran
     is_demo = model_cfg.pretrain is None
     tokenizer, model = demo.tokenizer_and_model(model_cfg, train_cfg.seed)
     model.to(dist.device)
+    warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
         items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dist.world_size, dist.is_main)
         plan = plans[dist.rank]
