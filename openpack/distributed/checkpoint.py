@@ -20,9 +20,10 @@ untouched. Pruning keeps the newest ``max_ckpt_num`` checkpoints of this run
 (by the run id in ``openpack.json``): another run's checkpoints, and the one
 just written, are never deleted.
 
-Loading verifies every file against the manifest first (rank 0 hashes with up
-to 8 threads; sha256 runs at about 1 GB/s per core, so 2 GB of tiny-model
-optimizer state takes ~1 s and a 100 GB checkpoint ~15 s on 8 cores). A
+Loading verifies every file against the manifest first. Rank 0 hashes with up
+to 8 threads, on save and on load, while the other ranks wait: sha256 ran at
+1.0 GB/s per core here (AMD EPYC, 2026-11-23), so about 13 s for a 100 GB
+checkpoint on 8 cores if the disk keeps up, against minutes to write it. A
 truncated or changed file is named, with the newest checkpoint that does
 verify and the flag to resume from it (``--load_checkpoint_tag``). Before
 DeepSpeed loads anything, the checkpoint's world size and data order are

@@ -41,8 +41,6 @@ from openpack.models.packed import PackedCausalLM
 from openpack.trainers.batching import batching
 from openpack.trainers.tracking import Tracker
 
-logger = logging.getLogger("openpack")
-
 
 @dataclass
 class Position:
