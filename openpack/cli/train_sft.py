@@ -87,6 +87,8 @@ class TrainConfig:
                               at_most=1)
     weight_decay: float = arg(0.0, "AdamW weight decay (not on biases and norms)", at_least=0)
     adam_betas: list[float] = arg([0.9, 0.95], "AdamW betas", at_least=0, below=1)
+    adam_epsilon: float = arg(1e-8, "AdamW epsilon, added to the root of the second moment (TRL's adam_epsilon)",
+                              above=0)
     max_norm: float = arg(1.0, "gradient clipping norm", at_least=0, special={0.0: "no gradient clipping"})
     seed: int = arg(42, "seed for data order and initialisation", at_least=0)
 

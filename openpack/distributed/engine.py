@@ -29,6 +29,7 @@ class OptimConfig:
     total_steps: int
     min_lr_ratio: float
     max_norm: float
+    adam_epsilon: float = 1e-8
 
 
 @dataclass
@@ -97,7 +98,8 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
     if optim.lr_scheduler not in SCHEDULES:
         raise ValueError(f"--lr_scheduler must be one of {SCHEDULES}, got {optim.lr_scheduler!r}")
     optimizer = torch.optim.AdamW(
-        _param_groups(module, optim.weight_decay), lr=optim.learning_rate, betas=optim.adam_betas
+        _param_groups(module, optim.weight_decay), lr=optim.learning_rate, betas=optim.adam_betas,
+        eps=optim.adam_epsilon
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
     engine, _, _, _ = deepspeed.initialize(

@@ -180,6 +180,7 @@ def optim_config(train_cfg, steps: int) -> OptimConfig:
         learning_rate=train_cfg.learning_rate,
         weight_decay=train_cfg.weight_decay,
         adam_betas=tuple(train_cfg.adam_betas),
+        adam_epsilon=train_cfg.adam_epsilon,
         lr_scheduler=train_cfg.lr_scheduler,
         warmup_steps=math.ceil(train_cfg.lr_warmup_ratio * steps),
         total_steps=steps,
