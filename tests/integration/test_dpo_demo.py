@@ -1,10 +1,17 @@
 """`openpack train_dpo --packing_samples` with nothing else: the built-in DPO demo, through Ray (the default).
 
-It trains (or reuses from the cache) the SFT demo model, then DPO on the
-addition task's preference pairs; held-out preference accuracy and exact
-match must both rise. About 2.5 minutes on 2 cores with an empty cache. The
-command runs in a subprocess, as a user runs it, so its Ray cluster goes
-with it.
+It trains (or reuses from the cache) the SFT demo model, whose answers are right but mostly wordy ("it is
+42", as 7 in 10 SFT answers are), then DPO on pairs that always prefer the bare right answer. Measured with
+`openpack train_dpo --packing_samples --seed S` for S = 42, 1, 2 on a fresh cache (2 CPU cores,
+2026-11-23; docs/dpo.md):
+
+    seed  right answers (either form)  bare right answers  preference accuracy
+    42    99.0% -> 99.3%               1.1% -> 99.3%       50% -> 93.2%
+    1     99.1% -> 99.2%               0.7% -> 99.2%       50% -> 96.8%
+    2     95.1% -> 97.6%               0.5% -> 97.6%       50% -> 93.4%
+
+The assertions are what held for all three seeds, with a margin. The command runs in a subprocess, as a
+user runs it, so its Ray cluster goes with it; the cache folder is this test session's fresh one.
 """
 
 import os
@@ -17,15 +24,17 @@ from conftest import read_metrics
 
 
 @pytest.mark.slow
-def test_dpo_demo_raises_both_accuracies(tmp_path):
+def test_dpo_demo_teaches_the_preferred_answer_form(tmp_path):
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_dpo", "--packing_samples",
                              "--save_path", str(tmp_path)], capture_output=True, text=True, timeout=900,
                             env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "running the built-in demo" in result.stdout
+    assert "training the SFT demo model first" in result.stdout  # a fresh cache: nothing left by an earlier run
     assert "ray: rank 0 pid" in result.stdout  # no --launcher: Ray
-    evals = [m for m in read_metrics(tmp_path) if "eval_preference_accuracy" in m]
-    before, after = evals
+    before, after = [m for m in read_metrics(tmp_path) if "eval_preference_accuracy" in m]
     assert before["eval_preference_accuracy"] == 0.5  # policy == reference: every implicit reward ties
-    assert after["eval_preference_accuracy"] >= 0.75, after
-    assert after["eval_exact_match"] >= before["eval_exact_match"] + 0.02, (before, after)
+    assert after["eval_preference_accuracy"] >= 0.9, after
+    assert before["eval_exact_match"] >= 0.9 and before["eval_bare_answer"] <= 0.05, before  # SFT: right, wordy
+    assert after["eval_bare_answer"] >= 0.95, after  # DPO: the preferred form
+    assert after["eval_exact_match"] >= before["eval_exact_match"] - 0.01, (before, after)  # and still right

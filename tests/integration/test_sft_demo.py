@@ -1,4 +1,4 @@
-"""`openpack train_sft` with no arguments: the built-in demo learns addition from scratch (~75 s on 2 cores)."""
+"""`openpack train_sft` with no arguments: the built-in demo learns addition from scratch (~40 s on 2 cores)."""
 
 import pytest
 
@@ -11,11 +11,12 @@ from conftest import read_metrics
 def test_demo_accuracy_rises(tmp_path, capsys):
     assert train_sft.main(["--save_path", str(tmp_path), "--launcher", "local"]) == 0
     out = capsys.readouterr().out
-    assert "running the built-in demo" in out and "held-out exact match after training" in out
-    evals = [m["eval_exact_match"] for m in read_metrics(tmp_path) if "eval_exact_match" in m]
-    assert len(evals) == 2
-    before, after = evals
-    assert before <= 0.05 and after >= 0.6, (before, after)
+    assert "running the built-in demo" in out and "held-out after training: right answers" in out
+    before, after = [m for m in read_metrics(tmp_path) if "eval_exact_match" in m]
+    # seeds 42, 1, 2 (tests/integration/test_dpo_demo.py): 99.0%, 99.1%, 95.1% right; 1.1%, 0.7%, 0.5% bare
+    assert before["eval_exact_match"] <= 0.05 and after["eval_exact_match"] >= 0.9, (before, after)
+    # 7 in 10 training answers are wordy ("it is 42"): greedy decoding answers wordily, which DPO's demo then changes
+    assert after["eval_bare_answer"] <= 0.05, after
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "model")
