@@ -26,11 +26,11 @@ SFT demo's data answers in the bare form ``"42"`` or the wordy form
 ``"it is 42"`` (``WORDY_SHARE``, 7 in 10), so an SFT model answers right but
 wordily under greedy decoding. The preference pairs always choose the bare
 right answer and reject either the wordy form of it or a plausible mistake:
-the preference for the bare form is in no SFT row. On 2 CPU cores (seed 1)
-SFT gives 97.3% right answers, 0.6% of them bare; DPO (with the demo's NLL
-term) then gives 98.4% right, all bare. Without the NLL term DPO also makes
-every answer bare but only 41% right: it lowers the rejected answers'
-likelihood faster than it raises the chosen ones'.
+the preference for the bare form is in no SFT row. With the demos' defaults
+(seed 42, 2 CPU cores) SFT gives 99.0% right answers, 1.1% of them bare; DPO
+with its NLL term then gives 99.3% right, every one bare. Without the NLL term DPO
+also makes every answer bare but only 77.6% right: it lowers the rejected
+answers' likelihood faster than it raises the chosen ones' (docs/dpo.md).
 """
 
 from __future__ import annotations
