@@ -4,14 +4,19 @@ Under torchrun or the deepspeed launcher every process is already a rank, so
 ``launch`` just calls the worker. Otherwise ``--launcher local`` runs the
 worker in this process and ``--launcher ray`` (the default) makes this
 process the Ray driver (``ray_launcher.launch``). Failures a user can act on
-end here as one line on stderr and an exit code.
+end here as one line on stderr and an exit code: 2 for a ``--ray_address``
+with no cluster behind it (checked before the data is planned), 1 for a rank
+that died, 130 for Ctrl-C and 143 for SIGTERM (``stopping.py`` says why).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+
+from openpack.orchestration.stopping import Stopped, StopSignals
 
 
 def launched_by_environment() -> bool:
@@ -34,21 +39,47 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, plan
     if launched_by_environment():
         return worker(*worker_args, **worker_kwargs)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from openpack.orchestration.ray_launcher import RankDiedError
+    from openpack.orchestration.ray_launcher import ClusterUnreachable, RankDiedError, cluster_address
     from openpack.orchestration.ray_launcher import launch as ray_launch
 
+    ray = launch_cfg.launcher == "ray"
     try:
-        if launch_cfg.launcher == "local":  # the worker plans for itself and keeps what it tokenized
-            return worker(*worker_args, **worker_kwargs)
-        plans = planner(launch_cfg.num_nodes * launch_cfg.num_gpus_per_node)
-        return ray_launch(worker, worker_args, worker_kwargs, [{"plan": plan} for plan in plans],
-                          num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
-                          num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=launch_cfg.ray_address,
-                          reference=reference)
+        with StopSignals(defer=False):
+            if not ray:  # the worker plans for itself and keeps what it tokenized
+                return worker(*worker_args, **worker_kwargs)
+            address = cluster_address(launch_cfg.ray_address)  # before planning, which can take minutes
+            plans = planner(launch_cfg.num_nodes * launch_cfg.num_gpus_per_node)
+            return ray_launch(worker, worker_args, worker_kwargs, [{"plan": plan} for plan in plans],
+                              num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
+                              num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=address,
+                              reference=reference, memory_advice=memory_advice(configs))
+    except ClusterUnreachable as err:
+        print(f"openpack: {err}", file=sys.stderr)
+        return 2
     except RankDiedError as err:
         print(f"openpack: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the Ray launcher has already killed every actor and its local cluster
-        print("openpack: interrupted" + ("; all Ray workers were stopped" if launch_cfg.launcher == "ray" else ""),
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # the Ray launcher has already stopped every actor and its local cluster
+        stopped = err if isinstance(err, Stopped) else Stopped(signal.SIGINT)
+        print(f"openpack: {stopped.describe()}" + ("; all Ray workers were stopped" if ray else ""), file=sys.stderr)
+        return stopped.exit_code
+
+
+def memory_advice(configs: tuple) -> str | None:
+    """What to change when a rank is killed for memory: the flag, its value and a smaller one to try.
+
+    Packed dynamic batches are capped by ``--max_tokens_per_gpu``; fixed micro-batches by
+    ``--micro_train_batch_size``, and at one sample by ``--max_len`` unless gradient checkpointing is still off.
+    """
+    options = {k: v for config in configs[:-1] for k, v in vars(config).items()}
+    if "max_tokens_per_gpu" not in options:
+        return None
+    if options["use_dynamic_batch"]:
+        cap = options["max_tokens_per_gpu"]
+        return f"lower --max_tokens_per_gpu {cap} (try {cap // 2})"
+    if options["micro_train_batch_size"] > 1:
+        size = options["micro_train_batch_size"]
+        return f"lower --micro_train_batch_size {size} (try {size // 2})"
+    if not options.get("gradient_checkpointing", True):
+        return "add --gradient_checkpointing"
+    return f"lower --max_len {options['max_len']} (try {options['max_len'] // 2})"

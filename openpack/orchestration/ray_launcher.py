@@ -8,8 +8,7 @@ GPUs; on a CPU-only machine the same flags start that many CPU workers of
 ``num_cpus_per_worker`` CPUs each), starts one actor per bundle, makes rank
 0's node address and a free port there the rendezvous, and runs the same
 worker function every other launcher runs, each with its own keyword
-arguments (its share of the driver's plan: sample ids, never tensors). Rank
-0's console lines reach the driver through Ray's log forwarding.
+arguments (its share of the driver's plan: sample ids, never tensors).
 
 A separate reference group (``train_dpo --ref_num_nodes``) is a second
 placement group of actors forming their own process group: each holds the
@@ -19,17 +18,38 @@ one log-prob sum per segment. Policy rank r is served by reference rank
 r mod M, and M must divide the policy world size, so every reference rank
 receives the same number of forwards (ZeRO-3's gathers are collective).
 
+The driver's loop waits on the ranks 0.5 s at a time. Between waits it
+shows rank 0's console (rank 0's tracker sends its steps and messages to a
+small inbox actor; the driver replays them with ``tracking.ConsoleRelay``,
+a live bar on a terminal) and acts on Ctrl-C or SIGTERM (``stopping.py``:
+never inside a Ray call). However the run ends, the actors are killed, the
+placement groups removed and a local cluster shut down; a watchdog process
+(``watchdog.py``) kills what a local cluster left, even after a SIGKILL.
+
 A worker's exception is re-raised in the driver as itself (so a data error
-prints its one-line message); a rank that dies is reported with its node and
-the run exits non-zero. Ctrl-C in the driver kills every actor before it
-exits, so no worker outlives the command.
+prints its one-line message). A rank that dies is named with its node and
+how it died: lost with its node, killed by Ray's memory monitor, by the
+kernel's OOM killer (its counter, read on the driver's node), or else
+"killed by the OS (SIGKILL), probably out of memory", since Ray cannot tell
+a SIGKILL from a crash ("connection error ... End of file" for both) and the
+OOM killer is what sends it in practice; the memory cases name the flag to
+lower with its value.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import time
 from dataclasses import dataclass
 from typing import Callable
+
+from openpack.orchestration.stopping import StopSignals
+from openpack.orchestration.watchdog import start_watchdog, stop_watchdog
+
+POLL_S = 0.5  # longest wait inside a Ray call; also how often rank 0's console reaches the driver
+DEATH_GRACE_S = 5.0  # after a rank's error, how long to wait for a death that caused it
 
 
 @dataclass
@@ -40,6 +60,14 @@ class ReferenceGroupSpec:
     args: tuple
     num_nodes: int
     num_gpus_per_node: int
+
+
+class RankDiedError(RuntimeError):
+    """A worker process died (killed, out of memory, node lost)."""
+
+
+class ClusterUnreachable(RuntimeError):
+    """``--ray_address`` (or ``$RAY_ADDRESS``) names no Ray cluster that answers."""
 
 
 class _Placed:
@@ -61,9 +89,51 @@ class _Placed:
 class _Rank(_Placed):
     """One DeepSpeed rank: its environment is set, then the worker function runs in it."""
 
-    def run(self, env: dict, worker: Callable, args: tuple, kwargs: dict):
+    def run(self, env: dict, worker: Callable, args: tuple, kwargs: dict, inbox=None):
+        from openpack.trainers import tracking
+
         os.environ.update(env)
-        return worker(*args, **kwargs)
+        if inbox is None:
+            return worker(*args, **kwargs)
+        outbox = _Outbox(inbox)
+        tracking.forward_console(outbox)  # rank 0: the driver shows the console, this actor's stdout is a log file
+        try:
+            return worker(*args, **kwargs)
+        finally:
+            tracking.forward_console(None)
+            with contextlib.suppress(Exception):  # never hide the worker's own error
+                outbox.flush()
+
+
+class _Inbox:
+    """Rank 0's console events, kept until the driver's next look."""
+
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    def put(self, event: tuple) -> None:
+        self.events.append(event)
+
+    def take(self) -> list[tuple]:
+        events, self.events = self.events, []
+        return events
+
+
+class _Outbox:
+    """Rank 0's end: one call on the inbox per event (a sync actor runs one caller's calls in order), unwaited."""
+
+    def __init__(self, inbox):
+        self.inbox, self.last = inbox, None
+
+    def __call__(self, event: tuple) -> None:
+        self.last = self.inbox.put.remote(event)
+
+    def flush(self) -> None:
+        """Wait until every event is in the inbox, so the driver sees them all once the run returns."""
+        import ray
+
+        if self.last is not None:
+            ray.get(self.last)
 
 
 class _Reference(_Placed):
@@ -99,19 +169,67 @@ class ReferenceGroup:
         return RemoteReference(self.actors[rank % len(self.actors)])
 
 
-def connect(ray_address: str | None, cpus_needed: int) -> None:
-    """Attach to ``ray_address`` (or RAY_ADDRESS, which ``ray job submit`` sets), else start a local cluster."""
+def cluster_address(ray_address: str | None) -> str | None:
+    """The cluster to attach to, None to start a local one; ``ClusterUnreachable`` when nothing answers there.
+
+    Ray retries an address with nothing behind it for minutes (more than 600 s for ``--ray_address`` on a
+    closed port), so the driver first opens a TCP connection to it, 5 s at most. ``auto`` means ``$RAY_ADDRESS``
+    or the cluster ``ray start`` recorded on this machine, not (as in Ray's fallback) whatever Ray process is
+    running here, which may be another command's private local cluster or one being torn down.
+    """
+    env = os.environ.get("RAY_ADDRESS")
+    address, source = (ray_address, "--ray_address") if ray_address else (env, "$RAY_ADDRESS")
+    if not address or address == "local":
+        return None
+    fix = "drop --ray_address to start a local cluster" if source == "--ray_address" else "unset RAY_ADDRESS"
+    if address == "auto":
+        recorded = _recorded_cluster()
+        if env:
+            address, source = env, "--ray_address auto: $RAY_ADDRESS"
+        elif os.path.exists(recorded):
+            with open(recorded) as f:
+                address, source = f.read().strip(), f"--ray_address auto: {recorded} names"
+        else:
+            raise ClusterUnreachable(f"--ray_address auto: no Ray cluster was started on this machine (no {recorded}); "
+                                     f"start one with `ray start --head`, or {fix}")
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not port.isdigit():
+        raise ClusterUnreachable(f"{source} {address}: not host:port (e.g. 10.0.0.1:6379, or auto)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as err:
+        raise ClusterUnreachable(f"{source} {address}: no Ray cluster answers there ({_reason(err)}); start one "
+                                 f"with `ray start --head --port {port}` on that node, fix the address, or {fix}")
+    return address
+
+
+def _recorded_cluster() -> str:
+    """The file ``ray start --head`` writes its address to (Ray's own rule for its temp folder)."""
+    tmp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return os.path.join(tmp, "ray", "ray_current_cluster")
+
+
+def _reason(err: OSError) -> str:
+    return (err.strerror or str(err) or type(err).__name__).lower()
+
+
+def connect(address: str | None, cpus_needed: int, stop: StopSignals, session: _Session) -> None:
+    """Attach to ``address`` (checked by ``cluster_address``), else start a local cluster watched by a watchdog."""
     import ray
 
-    ray_address = ray_address or os.environ.get("RAY_ADDRESS")
-    if ray_address:
+    if address:
         # A cluster on loopback (tests, one machine) must be joined from loopback too, or Ray swaps
         # in the machine's interface address and never reaches the head node.
-        local = ray_address.split(":")[0] in ("127.0.0.1", "localhost")
-        ray.init(address=ray_address, log_to_driver=True, **({"_node_ip_address": "127.0.0.1"} if local else {}))
-    else:  # always a new local cluster on loopback (never one left running), sized to the workers asked for
-        ray.init(address="local", num_cpus=max(cpus_needed, os.cpu_count() or 1), _node_ip_address="127.0.0.1",
-                 include_dashboard=False, log_to_driver=True)
+        local = address.split("://")[-1].split(":")[0] in ("127.0.0.1", "localhost")
+        with stop.during_ray_init():
+            ray.init(address=address, log_to_driver=True, **({"_node_ip_address": "127.0.0.1"} if local else {}))
+        return
+    cpus = max(cpus_needed, os.cpu_count() or 1)
+    print(f"ray: starting a local cluster on 127.0.0.1 ({cpus} CPUs)", flush=True)
+    session.watchdog = start_watchdog()
+    with stop.during_ray_init():  # always a new cluster (never one left running), sized to the workers asked for
+        ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
+                 log_to_driver=True)
 
 
 def default_cpus_per_worker(ranks_per_node: int) -> int:
@@ -126,71 +244,104 @@ def default_cpus_per_worker(ranks_per_node: int) -> int:
 
 
 def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict], *, num_nodes: int,
-           num_gpus_per_node: int,
-           num_cpus_per_worker: int | None, ray_address: str | None = None,
-           reference: ReferenceGroupSpec | None = None):
-    """Run ``worker(*args, **kwargs, **rank_kwargs[rank])`` on every rank; returns rank 0's result."""
+           num_gpus_per_node: int, num_cpus_per_worker: int | None, ray_address: str | None = None,
+           reference: ReferenceGroupSpec | None = None, memory_advice: str | None = None):
+    """Run ``worker(*args, **kwargs, **rank_kwargs[rank])`` on every rank; returns rank 0's result.
+
+    ``ray_address`` is ``cluster_address``'s answer; ``memory_advice`` (``lower --max_tokens_per_gpu 16384 (try
+    8192)``) is what a rank killed for memory is told. Raises ``Stopped`` on Ctrl-C or SIGTERM.
+    """
     import ray
 
     world = num_nodes * num_gpus_per_node
     ref_world = reference.num_nodes * reference.num_gpus_per_node if reference else 0
     if ref_world and (ref_world > world or world % ref_world):
         raise ValueError(f"{ref_world} reference ranks must divide the {world} policy ranks")
-    owned = not ray.is_initialized()
-    if owned:
-        connect(ray_address, (world + ref_world) * (num_cpus_per_worker or 1))
-    cpus = num_cpus_per_worker or default_cpus_per_worker(num_gpus_per_node + (reference.num_gpus_per_node
-                                                                              if reference else 0))
-    groups = []
-    try:
+    with StopSignals(defer=True) as stop, _Session() as session:
+        if not ray.is_initialized():
+            session.owned = True
+            connect(ray_address, (world + ref_world) * (num_cpus_per_worker or 1), stop, session)
+        cpus = num_cpus_per_worker or default_cpus_per_worker(num_gpus_per_node + (reference.num_gpus_per_node
+                                                                                  if reference else 0))
         if reference:
-            ref_actors, ref_nodes, ref_group = _start_group(_Reference, "reference", ref_world, cpus)
-            groups.append((ref_actors, ref_group))
-            ray.get([a.setup.remote(env, reference.build, reference.args)
-                     for a, env in zip(ref_actors, _rank_envs(ref_actors, ref_nodes, cpus))])
+            ref_actors, ref_nodes = session.start_group(_Reference, "reference", ref_world, cpus, stop)
+            _get([a.setup.remote(env, reference.build, reference.args)
+                  for a, env in zip(ref_actors, _rank_envs(ref_actors, ref_nodes, cpus, stop))], stop)
             kwargs = {**kwargs, "reference_group": ReferenceGroup(ref_actors)}
-        actors, nodes, group = _start_group(_Rank, "rank", world, cpus)
-        groups.append((actors, group))
-        envs = _rank_envs(actors, nodes, cpus)
-        runs = [a.run.remote(envs[r], worker, args, {**kwargs, **rank_kwargs[r]}) for r, a in enumerate(actors)]
-        return _wait(runs, nodes)[0]
-    finally:  # also on Ctrl-C: no actor outlives the driver
-        for actors, group in groups:
-            for a in actors:
-                ray.kill(a)
-            ray.util.remove_placement_group(group)
-        if owned:
-            ray.shutdown()
+        actors, nodes = session.start_group(_Rank, "rank", world, cpus, stop)
+        envs = _rank_envs(actors, nodes, cpus, stop)
+        inbox = ray.remote(num_cpus=0)(_Inbox).remote()
+        session.actors.append(inbox)
+        runs = [a.run.remote(envs[r], worker, args, {**kwargs, **rank_kwargs[r]}, inbox if r == 0 else None)
+                for r, a in enumerate(actors)]
+        return _wait(runs, nodes, inbox, session.relay, stop, memory_advice)[0]
 
 
-def _start_group(cls, name: str, world: int, cpus: int):
-    """``world`` actors of ``cls``, one per bundle of a new placement group; prints where each runs."""
+class _Session:
+    """What the driver started on Ray, undone on exit whatever ended the run (also half-way through a start)."""
+
+    def __init__(self):
+        from openpack.trainers.tracking import ConsoleRelay
+
+        self.owned, self.watchdog = False, None
+        self.groups: list = []
+        self.actors: list = []
+        self.relay = ConsoleRelay()
+
+    def __enter__(self) -> _Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        self.relay.close()  # the live bar stops before the driver's last line
+        undo = [(ray.kill, actor) for actor in self.actors]
+        undo += [(ray.util.remove_placement_group, group) for group in self.groups]
+        undo += [(ray.shutdown,)] if self.owned else []
+        for call, *arg in undo:
+            with contextlib.suppress(Exception):  # one failure must not keep the rest from being undone
+                call(*arg)
+        if self.watchdog is not None:  # kills what the shutdown left (Ray's agents linger for a minute)
+            stop_watchdog(self.watchdog)
+
+    def start_group(self, cls, name: str, world: int, cpus: int, stop: StopSignals):
+        """``world`` actors of ``cls``, one per bundle of a new placement group; prints where each runs."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= world else 0
+        bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {})}
+        print(f"ray: placing {world} {name} actors, one per bundle of {bundle}", flush=True)
+        group = placement_group([bundle] * world, strategy="PACK")
+        self.groups.append(group)
+        _get([group.ready()], stop)
+        remote = ray.remote(cls)
+        for rank in range(world):
+            self.actors.append(remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=(
+                PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank))).remote())
+        actors = self.actors[-world:]
+        placed = _get([a.node.remote() for a in actors], stop)
+        for rank, (node, pid) in enumerate(placed):
+            print(f"ray: {name} {rank} pid {pid} on node {node}", flush=True)
+        return actors, [node for node, _ in placed]
+
+
+def _get(refs: list, stop: StopSignals) -> list:
+    """``ray.get(refs)``, waiting ``POLL_S`` at a time so a Ctrl-C or SIGTERM is acted on within that."""
     import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= world else 0
-    group = placement_group([{"CPU": cpus, **({"GPU": 1} if gpus else {})} for _ in range(world)], strategy="PACK")
-    ray.get(group.ready())
-    remote = ray.remote(cls)
-    actors = [
-        remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=rank)).remote()
-        for rank in range(world)
-    ]
-    placed = ray.get([a.node.remote() for a in actors])
-    nodes = [node for node, _ in placed]
-    for rank, (node, pid) in enumerate(placed):
-        print(f"ray: {name} {rank} pid {pid} on node {node}", flush=True)
-    return actors, nodes, group
+    pending = list(refs)
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+        stop.check()
+    return ray.get(refs)
 
 
-def _rank_envs(actors: list, nodes: list[str], cpus: int) -> list[dict]:
+def _rank_envs(actors: list, nodes: list[str], cpus: int, stop: StopSignals) -> list[dict]:
     """The torch.distributed environment of each actor: rank 0's node and a free port there are the rendezvous."""
-    import ray
-
     world = len(actors)
-    master_addr, master_port = ray.get(actors[0].rendezvous.remote())
+    master_addr, master_port = _get([actors[0].rendezvous.remote()], stop)[0]
     envs = []
     for rank in range(world):
         local_ranks = [r for r in range(world) if nodes[r] == nodes[rank]]
@@ -200,26 +351,92 @@ def _rank_envs(actors: list, nodes: list[str], cpus: int) -> list[dict]:
     return envs
 
 
-def _wait(runs, nodes):
-    """Results of every rank, failing as soon as one rank fails (the others may hang in a collective)."""
+def _wait(runs: list, nodes: list[str], inbox, relay, stop: StopSignals, memory_advice: str | None) -> list:
+    """Results of every rank, failing as soon as one rank fails (the others may hang in a collective).
+
+    Every ``POLL_S``: rank 0's console events are shown and a stop signal is acted on. When a rank dies, the
+    others' collectives fail too ("Connection reset by peer" from gloo), sometimes before Ray reports the death:
+    so after a first error the driver waits up to ``DEATH_GRACE_S`` for the rest, and reports a death first.
+    """
     import ray
 
-    pending = list(runs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        try:
-            ray.get(done[0])
-        except ray.exceptions.RayTaskError as err:
-            if isinstance(err.cause, ray.exceptions.RayActorError):  # a rank lost its reference actor
-                raise RankDiedError(f"ray: a reference actor died ({err.cause}); the last checkpoint is intact: "
-                                    "rerun with --load_checkpoint to resume") from err
-            raise err.cause if err.cause is not None else err
-        except ray.exceptions.RayActorError as err:
-            rank = runs.index(done[0])
-            raise RankDiedError(f"ray: rank {rank} on node {nodes[rank]} died ({type(err).__name__}); "
-                                "the last checkpoint is intact: rerun with --load_checkpoint to resume") from err
+    oom_before = oom_kills()
+    pending, errors, deadline = list(runs), {}, None
+    while pending and (deadline is None or time.monotonic() < deadline):
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+        for event in _get([inbox.take.remote()], stop)[0]:
+            relay.show(event)
+        stop.check()
+        for ref in done:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+                errors[runs.index(ref)] = err
+        if errors and deadline is None:
+            deadline = time.monotonic() + DEATH_GRACE_S
+    if errors:
+        raise _failure(errors, nodes, oom_before, memory_advice)
+    for event in _get([inbox.take.remote()], stop)[0]:  # rank 0 flushed its last events before returning
+        relay.show(event)
     return ray.get(runs)
 
 
-class RankDiedError(RuntimeError):
-    """A worker process died (killed, out of memory, node lost)."""
+def _failure(errors: dict, nodes: list[str], oom_before: int | None, memory_advice: str | None) -> Exception:
+    """The error to report for the failed ranks: a dead rank before the errors it caused in the others."""
+    import ray
+
+    for rank, err in sorted(errors.items()):
+        if isinstance(err, ray.exceptions.RayActorError):
+            return RankDiedError(_how_rank_died(rank, nodes[rank], err, oom_before, memory_advice))
+    rank, err = min(errors.items())
+    if isinstance(err.cause, ray.exceptions.RayActorError):  # a rank lost its reference actor
+        return RankDiedError(f"ray: a reference actor died ({err.cause}); the last checkpoint is intact: "
+                             "rerun with --load_checkpoint to resume")
+    return err.cause if err.cause is not None else err
+
+
+def _how_rank_died(rank: int, node: str, err, oom_before: int | None, memory_advice: str | None) -> str:
+    import ray
+
+    text = str(err)
+    here = node.split("/")[-1] == ray.get_runtime_context().get_node_id()[:8]
+    oom_now = oom_kills() if here else None
+    memory = True
+    if "running low on memory" in text or "memory pressure" in text:
+        how = "was killed by Ray's memory monitor (its node ran low on memory)"
+    elif "node has died" in text:
+        how, memory = "was lost with its node (the node died or left the cluster)", False
+    elif oom_before is not None and oom_now is not None and oom_now > oom_before:
+        how = "was killed by the kernel's OOM killer (out of memory)"
+    elif "unexpectedly exit" in text:
+        how = "was killed by the OS (SIGKILL), probably out of memory"
+    else:
+        how, memory = f"died ({text.strip().splitlines()[-1][:300]})", False
+    advice = f": {memory_advice}" if memory and memory_advice else ""
+    return (f"ray: rank {rank} on node {node} {how}{advice}; the last checkpoint is intact: "
+            "rerun with --load_checkpoint to resume")
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in this process's memory cgroup (v2, else v1), or
+    on the whole machine when no cgroup counter can be read (``/proc/vmstat``); None when nothing can be read."""
+    candidates = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    candidates.append(f"/sys/fs/cgroup{path}/memory.events")
+                elif "memory" in controllers.split(","):
+                    candidates.append(f"/sys/fs/cgroup/memory{path}/memory.oom_control")
+    except OSError:
+        pass
+    for path in [*candidates, "/proc/vmstat"]:
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return None
