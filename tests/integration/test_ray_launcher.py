@@ -25,7 +25,7 @@ SFT = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3",
        "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128"]
 DPO = [*SFT[:12], "--max_len", "48", "--seed", "1", "--max_norm", "100", "--loss_type", "sigmoid",
        "--nll_loss_coef", "0.5", "--beta", "0.5", "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu",
-       "160"]
+       "160", "--adam_epsilon", "1e-6"]  # as test_train_dpo.py: with 1e-8 a float-noise gradient fails the weight check
 FOREVER = ["--max_epochs", "100000", "--max_steps", "100000"]  # a run that is still going when the test stops it
 TWO_WORKERS = ["--num_gpus_per_node", "2", "--num_cpus_per_worker", "1"]
 
