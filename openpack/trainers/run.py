@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
