@@ -94,6 +94,8 @@ class ProgressDisplay:
         if self.progress is not None:
             self.progress.update(self.task, completed=step, metrics=shown, eta=eta)
             return
+        if not shown:  # an evaluation row: the command reports its numbers in a message line
+            return
         parts = [f"step {step}/{self.total_steps}", shown, f"eta {eta}"]
         self.console.print("  ".join(p for p in parts if p), markup=False, highlight=False, soft_wrap=True)
 

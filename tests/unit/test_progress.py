@@ -64,7 +64,9 @@ def test_evaluation_rows_do_not_start_the_clock(clock):
         for i, step in enumerate((1, 2)):
             clock.now = 100.0 + 2.0 * i
             tracker.log(step, STEP)
-    assert console.file.getvalue().splitlines()[-1].endswith("eta 0:00:16")
+    lines = console.file.getvalue().splitlines()
+    assert lines[-1].endswith("eta 0:00:16")
+    assert len(lines) == 2 and lines[0].startswith("step 1/10  loss")  # no plain line for the evaluation row
 
 
 def test_live_bar_on_a_terminal_shows_step_metrics_and_eta(clock):
