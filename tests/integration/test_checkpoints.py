@@ -21,7 +21,7 @@ from openpack.cli import train_sft
 from openpack.distributed.checkpoint import verify
 from openpack.distributed.process import free_port
 
-from conftest import read_metrics
+from saved_runs import read_metrics
 
 FLAGS = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
          "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100",

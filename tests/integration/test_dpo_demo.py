@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from conftest import read_metrics
+from saved_runs import read_metrics
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import assert_same_run, read_metrics
+from saved_runs import assert_same_run, read_metrics
 from openpack.cli import train_dpo
 
 SFT = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",

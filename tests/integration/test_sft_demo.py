@@ -4,7 +4,7 @@ import pytest
 
 from openpack.cli import train_sft
 
-from conftest import read_metrics
+from saved_runs import read_metrics
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from openpack.cli import train_dpo
 from openpack.distributed.process import free_port
 
-from conftest import assert_same_run, read_metrics, write_pairs
+from saved_runs import assert_same_run, read_metrics, write_pairs
 
 # --adam_epsilon 1e-6: AdamW moves a weight by lr * g / (|g| + eps). With eps 1e-8 one gate_proj weight whose
 # gradient is float noise (|g| 3.0e-9 packed, 3.8e-9 padded: the two layouts sum in other orders) moved
@@ -22,8 +22,8 @@ from conftest import assert_same_run, read_metrics, write_pairs
 # larger eps keeps the weight check about the gradients the layouts compute, not Adam dividing noise by eps.
 COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
           "--lr_scheduler", "constant", "--max_len", "48", "--seed", "1", "--max_norm", "100",
-          "--loss_type", "sigmoid", "--nll_loss_coef", "0.5", "--beta", "0.5", "--launcher", "local",
-          "--adam_epsilon", "1e-6"]
+          "--loss_type", "sigmoid", "--nll_loss_coef", "0.5", "--beta", "0.5", "--adam_epsilon", "1e-6",
+          "--launcher", "local"]
 LAYOUTS = {
     "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "160"],
     "padded_8x1": ["--micro_train_batch_size", "1"],

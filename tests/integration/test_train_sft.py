@@ -15,7 +15,7 @@ import pytest
 from openpack.cli import train_sft
 from openpack.distributed.process import free_port
 
-from conftest import assert_same_run, read_metrics
+from saved_runs import assert_same_run, read_metrics
 
 COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
           "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100", "--launcher", "local"]
@@ -94,7 +94,7 @@ def test_resumed_equals_uninterrupted(tmp_path, tiny_pretrain, sft_jsonl):
     assert [m["step"] for m in resumed] == [3, 4]
     for x, y in zip(resumed, uninterrupted[2:]):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5, (x, y)
-    from conftest import load_weights
+    from saved_runs import load_weights
     import torch
     for name, w in load_weights(full).items():
         torch.testing.assert_close(load_weights(interrupted)[name], w, atol=1e-5, rtol=0, msg=name)

@@ -1,0 +1,43 @@
+"""What integration tests read back from a run (metrics, weights) and compare, and the pair data they write."""
+
+import json
+import random
+
+import torch
+
+
+def read_metrics(save_path):
+    with open(f"{save_path}/metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def load_weights(save_path):
+    from safetensors.torch import load_file
+
+    return load_file(f"{save_path}/model/model.safetensors")
+
+
+def assert_same_run(a, b, atol=1e-5):
+    """Per-step losses and grad norms equal, and so are the final weights."""
+    ma, mb = read_metrics(a), read_metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb]
+    for x, y in zip(ma, mb):
+        assert abs(x["loss"] - y["loss"]) <= atol, (x, y)
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= atol * max(1.0, abs(y["grad_norm"])), (x, y)
+    wa, wb = load_weights(a), load_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=name)
+
+
+def write_pairs(path, n=48, seed=0):
+    """Pairs "sort: <letters>" -> sorted (chosen) / one letter changed (rejected), 3 to 30 letters."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 30)))
+        good = "".join(sorted(word))
+        bad = good[:-1] + ("z" if good[-1] != "z" else "y")
+        rows.append({"prompt": f"sort: {word}\n", "chosen": good, "rejected": bad})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
