@@ -15,6 +15,7 @@ from openpack import __version__
 COMMANDS = {
     "train_sft": ("openpack.cli.train_sft", "supervised fine-tuning with packed, dynamically batched micro-batches"),
     "train_dpo": ("openpack.cli.train_dpo", "DPO-family preference training with chosen/rejected pairs bin-packed"),
+    "train_rm": ("openpack.cli.train_rm", "Bradley-Terry reward models on bin-packed pairs, exported as classifiers"),
     "check_packing": (
         "openpack.cli.check_packing",
         "check that packed forwards equal unpacked ones on this machine's attention backend",

@@ -16,8 +16,8 @@ from pathlib import Path
 from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
 from openpack.cli.train_sft import (DatasetConfig, LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce,
-                                    check_consistency, check_inputs, check_template_flags, save_all,
-                                    with_demo_defaults)
+                                    check_consistency, check_inputs, check_template_flags, demo_sft_model,
+                                    save_all, with_demo_defaults)
 from openpack.core.losses import LOSS_SUMMARIES, PAIR_LOSSES, needs_reference
 from openpack.orchestration.launch import launch, launched_by_environment
 
@@ -85,25 +85,6 @@ LOSS_HELP = "loss types (--loss_type; details and formulas in docs/dpo.md):\n" +
 
 CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, DPOConfig, LaunchConfig)
 ALIASES = {"--ipo": ("loss_type", ["ipo"])}
-
-
-def demo_sft_model(launch_cfg: LaunchConfig, seed: int) -> Path:
-    """The SFT demo model DPO starts from: the `openpack train_sft` demo with DPO's ``--seed``, trained once and cached.
-
-    The cache folder is named by a digest of the SFT recipe, the package's code and the library versions
-    (``demo.code_key``) and by the seed, so a model trained by other code is never reused.
-    """
-    from openpack.cli import train_sft
-    from openpack.trainers import demo
-
-    cache = demo.cache_root() / f"demo_sft-{demo.code_key(train_sft.DEMO_CONFIG)}-seed{seed}"
-    if not (cache / "model" / "config.json").exists():
-        print(f"openpack train_dpo: training the SFT demo model first (cached in {cache})")
-        launch_flags = ["--launcher", launch_cfg.launcher] + (["--ray_address", launch_cfg.ray_address]
-                                                              if launch_cfg.ray_address else [])
-        if train_sft.main(["--save_path", str(cache), "--seed", str(seed), *launch_flags]) != 0:
-            raise RuntimeError("the SFT demo run failed; see its output above")
-    return cache / "model"
 
 
 def _check_reference_group(dpo_cfg: DPOConfig, launch_cfg: LaunchConfig) -> None:

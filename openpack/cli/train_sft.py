@@ -207,6 +207,24 @@ def announce(command: str, configs: tuple, demo_notice: str | None) -> None:
         print(f"openpack {command}: " + "; ".join(special))
 
 
+def demo_sft_model(launch_cfg: LaunchConfig, seed: int) -> Path:
+    """The SFT demo model the DPO and RM demos start from: `openpack train_sft`'s demo with their ``--seed``, cached.
+
+    The cache folder is named by a digest of the SFT recipe, the package's code and the library versions
+    (``demo.code_key``) and by the seed, so a model trained by other code is never reused.
+    """
+    from openpack.trainers import demo
+
+    cache = demo.cache_root() / f"demo_sft-{demo.code_key(DEMO_CONFIG)}-seed{seed}"
+    if not (cache / "model" / "config.json").exists():
+        print(f"openpack: training the SFT demo model first (cached in {cache})")
+        launch_flags = ["--launcher", launch_cfg.launcher] + (["--ray_address", launch_cfg.ray_address]
+                                                              if launch_cfg.ray_address else [])
+        if main(["--save_path", str(cache), "--seed", str(seed), *launch_flags]) != 0:
+            raise RuntimeError("the SFT demo run failed; see its output above")
+    return cache / "model"
+
+
 def save_all(configs: tuple, path: Path) -> None:
     """Write the effective config of every group (module level, so Ray can ship it to rank 0)."""
     save_config(path, *configs)

@@ -94,6 +94,32 @@ class PackedBatch:
         }
 
 
+def last_token_index(batch, skip_token_id: int | None = None) -> torch.Tensor:
+    """Where each segment's last token sits in the batch's flattened tokens: [S] int64, in segment order.
+
+    Found from the segment table, never guessed from padding: packed, in the [T] row; padded, in the
+    [B * L] rows. ``skip_token_id`` steps back over trailing tokens with that id (transformers' sequence
+    classifiers read the last token that is not ``pad_token_id``; with pad == eos that is the token
+    before a closing eos), so a reward read here equals the exported model's::
+
+        input_ids   p0 p1 c0 c1 | p0 p1 r0       cu_seqlens [0, 4, 7]
+        last token            ^            ^     last_token_index -> [3, 6]
+    """
+    ids = batch.input_ids.flatten()
+    positions = torch.arange(ids.numel(), device=ids.device)
+    padded = isinstance(batch, PaddedBatch)
+    real = batch.attention_mask.flatten().bool() if padded else torch.ones_like(ids, dtype=torch.bool)
+    if skip_token_id is not None:
+        real &= ids != skip_token_id
+    segment = batch.segment_ids.to(ids.device)
+    last = torch.full((batch.num_segments,), -1, dtype=torch.int64, device=ids.device)
+    last = last.scatter_reduce(0, segment, torch.where(real, positions, -1), reduce="amax")
+    if (last < 0).any():
+        bad = (last < 0).nonzero()[0].item()
+        raise ValueError(f"segment {bad} (sample {batch.sample_index[bad].item()}) has no token to read a value at")
+    return last
+
+
 def moved_to(batch, device):
     """A copy of a batch dataclass with every tensor field on ``device`` (other fields as they are)."""
     values = {f.name: getattr(batch, f.name) for f in fields(batch)}

@@ -71,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -104,6 +105,7 @@ class PreferencePair:
     rejected: list[int]
     source: str
     row: int = field(default=-1, compare=False)  # index in the Rows it was tokenized from
+    margin: float = 0.0  # how much chosen should beat rejected (a reward model's --margin_key); 0 without one
 
     def segments(self, sample_index: int) -> list[Segment]:
         """[prompt+chosen (role CHOSEN), prompt+rejected (role REJECTED)], targets on the completion only."""
@@ -147,6 +149,7 @@ class _Rendered:
     source: str
     row: int = -1
     kind: str = ""  # the format, as the report counts it
+    margin: float = 0.0
 
 
 def tokenize_pairs(
@@ -162,6 +165,7 @@ def tokenize_pairs(
     *,
     apply_chat_template: bool = False,
     input_template: str | None = None,
+    margin_key: str | None = None,
 ) -> tuple[list[PreferencePair], PreferenceReport]:
     """Tokenize preference rows as TRL 1.16's DPOTrainer does (see the module docstring).
 
@@ -173,14 +177,15 @@ def tokenize_pairs(
     DataError naming the row, key and flag, or are counted in
     ``report.skipped`` with ``skip_bad_samples``. ``apply_chat_template``
     makes text prompts user turns and text completions assistant turns;
-    ``input_template`` formats text prompts (OpenRLHF's flags).
+    ``input_template`` formats text prompts (OpenRLHF's flags). ``margin_key`` names a
+    number per row that each pair's margin is read from (reward models, Llama 2's margin).
     """
     _check_args(max_len, overlength)
     formats.check_input_template(input_template, apply_chat_template)
     keys = dict(zip(FIELDS, (prompt_key, chosen_key, rejected_key)))
     report = PreferenceReport(truncated=0, dropped=0, skipped=Counter(), rows=len(rows))  # load skips: rows.skipped
-    rendered = _render_rows(rows, tokenizer, keys, _Flags(apply_chat_template, input_template), skip_bad_samples,
-                            report)
+    rendered = _render_rows(rows, tokenizer, keys, _Flags(apply_chat_template, input_template, margin_key),
+                            skip_bad_samples, report)
     pairs, prompt_tails = [], 0
     for (prompt_ids, chosen_ids, rejected_ids), row in zip(_encode(tokenizer, rendered), rendered):
         try:
@@ -191,7 +196,7 @@ def tokenize_pairs(
         prompt_tails += len(pair.prompt) < len(prompt_ids)
         pair = _fit_length(pair, max_len, overlength, report)
         if pair is not None:
-            pair.row = row.row
+            pair.row, pair.margin = row.row, row.margin
             pairs.append(pair)
     if prompt_tails and warn:  # workers re-tokenizing their micro-batches pass warn=False: the driver warned
         logger.warning("%d pairs: the tokenized prompt is not a prefix of prompt+completion (a BPE merge or the chat "
@@ -212,6 +217,7 @@ def _check_args(max_len: int, overlength: str) -> None:
 class _Flags:
     apply_chat_template: bool
     input_template: str | None
+    margin_key: str | None = None
 
 
 def _render_rows(rows: Rows, tokenizer, keys: dict, flags: _Flags, skip: bool,
@@ -222,13 +228,26 @@ def _render_rows(rows: Rows, tokenizer, keys: dict, flags: _Flags, skip: bool,
         try:
             values, kind = _row_values(row, source, keys)
             item = _render(tokenizer, *values, source, keys, flags)
+            margin = _margin(row, source, flags.margin_key) if flags.margin_key else 0.0
         except DataError as err:
             skip_or_raise(err, skip, report.skipped)
             continue
-        item = dataclasses.replace(item, row=index, kind=f"{'chat' if item.chat else 'text'} {kind}")
+        item = dataclasses.replace(item, row=index, kind=f"{'chat' if item.chat else 'text'} {kind}", margin=margin)
         report.formats[item.kind] += 1
         rendered.append(item)
     return rendered
+
+
+def _margin(row: dict, source: str, key: str) -> float:
+    """The row's margin under ``--margin_key``: a finite number (a JSON number, not text)."""
+    if key not in row:
+        raise DataError(f"{source}: no key {key!r} (--margin_key; the row has {sorted(row)}); give every row a "
+                        f"margin, drop --margin_key, {SKIP_FIX}", "missing margin")
+    value = row[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{source}: {key!r} (--margin_key) is {value!r}, not a finite number; write it as a JSON "
+                        f"number, e.g. 1.5, {SKIP_FIX}", "non-numeric margin")
+    return float(value)
 
 
 def _row_values(row: dict, source: str, keys: dict) -> tuple[list, str]:

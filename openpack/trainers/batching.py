@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from openpack.core.batch import Segment, collate_packed, collate_padded
-from openpack.core.schedule import Batching, RankStep
+from openpack.core.schedule import Batching, RankStep, plan_scoring
 
 logger = logging.getLogger("openpack")
 
@@ -45,6 +45,13 @@ class MicroBatcher:
             else:
                 batches.append(collate_padded(segments, self.pad_token_id))
         return batches
+
+
+def scoring_batches(pairs: list, max_tokens: int, dist) -> list:
+    """This rank's share of one packed pass over ``pairs`` (each with ``lengths()`` and ``segments(i)``), in rows of
+    ``max_tokens`` (or one pair's length), for evaluation and reference or reward scoring."""
+    share = plan_scoring([p.lengths() for p in pairs], dist.world_size, max_tokens)[dist.rank]
+    return MicroBatcher(lambda i: pairs[i].segments(i), packing_samples=True).collate(share)
 
 
 def batching(train_cfg) -> Batching:

@@ -27,6 +27,7 @@ DEMO_MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, n
                   num_key_value_heads=2, max_position_embeddings=64)
 TRAIN_SAMPLES = 8960  # 140 steps of 64 per epoch
 PREFERENCE_SAMPLES = 4096
+REWARD_SAMPLES = 8960  # two passes over the ~9,000 training problems: judging a sum right needs more than DPO
 EVAL_SAMPLES = 1022  # every held-out problem
 
 
@@ -94,10 +95,11 @@ def describe(rates: dict[str, float]) -> str:
     return f"right answers {rates['eval_exact_match']:.1%} ({rates['eval_bare_answer']:.1%} in the bare form)"
 
 
-def write_preference_data(save_path: Path, is_main: bool) -> list[str]:
-    """The demo's training preference pairs as JSONL: chosen correct, rejected a plausible wrong answer."""
-    pairs = demo_preference_pairs("train", PREFERENCE_SAMPLES)
-    return _write_demo_rows(Path(save_path) / "demo_data" / "dpo_train.jsonl", pairs, is_main)
+def write_preference_data(save_path: Path, is_main: bool, n: int = PREFERENCE_SAMPLES,
+                          name: str = "dpo_train.jsonl") -> list[str]:
+    """The demo's training preference pairs as JSONL: chosen the bare right answer, rejected its wordy form or a
+    plausible wrong one."""
+    return _write_demo_rows(Path(save_path) / "demo_data" / name, demo_preference_pairs("train", n), is_main)
 
 
 def preference_eval_pairs(tokenizer, n: int = EVAL_SAMPLES):

@@ -18,13 +18,13 @@ from pathlib import Path
 
 from openpack.core.batch import Segment
 from openpack.core.losses import LossParams, needs_reference
-from openpack.core.schedule import RankPlan, plan_scoring
+from openpack.core.schedule import RankPlan
 from openpack.data.preference import PreferencePair, tokenize_pairs
 from openpack.distributed.process import barrier
 from openpack.models.loading import load_causal_lm, load_tokenizer
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers import demo, reference
-from openpack.trainers.batching import MicroBatcher, warn_if_memory_short
+from openpack.trainers.batching import MicroBatcher, scoring_batches, warn_if_memory_short
 from openpack.trainers.dpo import PreferenceObjective, dpo_step
 from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
 
@@ -76,7 +76,7 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     loss_types, weights = dpo_cfg.losses()
     params = LossParams(beta=dpo_cfg.beta, label_smoothing=dpo_cfg.label_smoothing, simpo_gamma=dpo_cfg.simpo_gamma)
     eval_pairs = demo.preference_eval_pairs(tokenizer) if demo_model is not None else None
-    eval_batches = _scoring_batches(eval_pairs, train_cfg, dist) if eval_pairs is not None else None
+    eval_batches = scoring_batches(eval_pairs, train_cfg.max_tokens_per_gpu, dist) if eval_pairs is not None else None
     scorer, eval_ref = None, None
     if needs_reference(loss_types):
         scorer, eval_ref = _reference(dpo_cfg.ref_pretrain or pretrain, model_cfg, dpo_cfg, plan, pairs, dist,
@@ -125,23 +125,17 @@ def _reference(ref_name, model_cfg, dpo_cfg, plan, pairs, dist, eval_batches, ev
         scorer = _reference_model(ref_name, model_cfg, dpo_cfg, dist)
     eval_ref = None
     if eval_pairs is not None:
-        eval_ref = reference.score_dataset(scorer, eval_batches, len(eval_pairs), dist)
+        eval_ref = reference.score_dataset(scorer.segment_sums, eval_batches, len(eval_pairs), dist)
     if dpo_cfg.ref_logps_cache is None:
         return scorer, eval_ref
     key = reference.cache_key(ref_name, plan.fingerprint)
     batches = MicroBatcher(pairs.__getitem__, packing_samples=True).collate(plan.scoring)
     cached = reference.load_or_build_cache(dpo_cfg.ref_logps_cache, key, plan.num_samples,
-                                           lambda: reference.score_dataset(scorer, batches, plan.num_samples, dist),
+                                           lambda: reference.score_dataset(scorer.segment_sums, batches, plan.num_samples, dist),
                                            dist)
     reference.free(scorer)
     logger.info("reference log-probs cached in %s; reference model freed", dpo_cfg.ref_logps_cache)
     return cached, eval_ref
-
-
-def _scoring_batches(pairs, train_cfg, dist) -> list:
-    """This rank's share of one packed pass over ``pairs`` (rows of the training cap, or one pair's length)."""
-    share = plan_scoring([p.lengths() for p in pairs], dist.world_size, train_cfg.max_tokens_per_gpu)[dist.rank]
-    return MicroBatcher(lambda i: pairs[i].segments(i), packing_samples=True).collate(share)
 
 
 def _fingerprint(pairs) -> str:
@@ -154,8 +148,8 @@ def _fingerprint(pairs) -> str:
 def _report_demo(tracker, model, tokenizer, eval_pairs, eval_ref, beta, eval_batches, dist, step, when) -> None:
     """Held-out preference accuracy (implicit reward) and greedy answers of the demo."""
     was_training = model.training
-    policy = reference.score_dataset(reference.ModelReference(PackedCausalLM(model), dist.device), eval_batches,
-                                     len(eval_pairs), dist)
+    scorer = reference.ModelReference(PackedCausalLM(model), dist.device)
+    policy = reference.score_dataset(scorer.segment_sums, eval_batches, len(eval_pairs), dist)
     model.train(was_training)
     preference = demo.preference_accuracy(policy, eval_ref, beta)
     rates = demo.accuracy(model, tokenizer)

@@ -104,12 +104,13 @@ def load_or_build_cache(path, key: str, num_samples: int, score_all, dist) -> Ca
     return CachedReference(chosen, rejected)
 
 
-def score_dataset(reference, batches: list, num_samples: int, dist) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference log-prob sums of every pair; each rank scores its share of the packs, then results are summed."""
+def score_dataset(score, batches: list, num_samples: int, dist) -> tuple[torch.Tensor, torch.Tensor]:
+    """One value per segment of every pair, as (chosen [N], rejected [N]): each rank scores its share of the packs
+    with ``score(batch) -> [S]`` (a reference's ``segment_sums``, a reward model), then the results are summed."""
     chosen = torch.zeros(num_samples, dtype=torch.float64)
     rejected = torch.zeros(num_samples, dtype=torch.float64)
     for batch in batches:
-        sums = reference.segment_sums(batch).double().cpu()
+        sums = score(batch).double().cpu()
         roles, ids = batch.role.cpu(), batch.sample_index.cpu()
         chosen[ids[roles == CHOSEN]] = sums[roles == CHOSEN]
         rejected[ids[roles == REJECTED]] = sums[roles == REJECTED]

@@ -106,12 +106,13 @@ class TrainingRun:
     """One run of this rank's planned steps with the shared model, train and output flags."""
 
     def __init__(self, model, tokenizer, plan: RankPlan, model_cfg, train_cfg, out_cfg, dist: DistInfo,
-                 save_config: Callable[[Path], None] | None = None):
+                 save_config: Callable[[Path], None] | None = None, module: torch.nn.Module | None = None):
+        """``module`` wraps ``model`` for the engine (default ``PackedCausalLM``: per-token log-probs)."""
         self.tokenizer, self.dist, self.plan, self.out_cfg = tokenizer, dist, plan, out_cfg
         self.save_path = Path(out_cfg.save_path)
         steps = len(plan.steps)
-        self.engine = create_engine(PackedCausalLM(model), optim_config(train_cfg, steps), zero_config(model_cfg),
-                                    dist.world_size)
+        self.engine = create_engine(module or PackedCausalLM(model), optim_config(train_cfg, steps),
+                                    zero_config(model_cfg), dist.world_size)
         self.ckpt_path = checkpoint_dir(self.save_path, out_cfg.ckpt_path)
         self.run_id = decided_by_main(
             lambda: current_run(self.save_path, self.ckpt_path, resumes(out_cfg), out_cfg.overwrite).run_id)
@@ -165,11 +166,14 @@ class TrainingRun:
         save_checkpoint(self.engine, self.tokenizer, self.ckpt_path, at.global_step, asdict(at),
                         self.out_cfg.max_ckpt_num, self.dist.is_main, self._state(at.global_step))
 
-    def train(self, step: Callable[[RankStep], dict]) -> Position:
-        """Run the steps, then write the final model; returns where training ended."""
+    def train(self, step: Callable[[RankStep], dict], before_save: Callable[[], None] | None = None) -> Position:
+        """Run the steps, then ``before_save()`` (e.g. a reward model's normalisation), then write the final model;
+        returns where training ended."""
         self.engine.train()
         self.position = run_steps(step, self.plan.steps, self.out_cfg.logging_steps, self.out_cfg.save_steps,
                                   self.tracker, self.save, self.position)
+        if before_save is not None:
+            before_save()
         save_hf_model(self.engine, self.tokenizer, self.save_path / "model", self.dist.is_main)
         self.tracker.message(f"model saved to {self.save_path / 'model'}")
         return self.position

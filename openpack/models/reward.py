@@ -1,0 +1,142 @@
+"""Reward models: a Hugging Face sequence classifier whose value head is read at each packed segment's last token.
+
+A reward model is ``AutoModelForSequenceClassification`` with one label: the
+decoder, then a linear head (``score``) from the hidden size to one number.
+Here every sequence's last token is found from the segment table
+(``core.batch.last_token_index``), so a packed row of many sequences gives
+one reward each and padding never enters. Transformers reads the number at
+the last token that is not ``pad_token_id``; the same rule applies here, so
+the exported model scores exactly as the trainer does (it matters only when
+pad == eos: then both read the token before a closing eos, as TRL's
+RewardTrainer does)::
+
+    input_ids    p0 p1 c0 c1 eos | p0 p1 r0 eos      one pair, packed
+    reward read                ^               ^     [r_chosen, r_rejected]
+
+The head is applied to those S hidden states only, never to every token.
+``--pretrain`` may be a causal LM (the head is new, initialised as
+transformers initialises ``score``: normal with the config's
+``initializer_range``, drawn from the seed) or a sequence classifier (its
+head is kept). The saved folder is a plain sequence classifier with
+``num_labels`` 1; with ``--normalize_reward`` its config also carries
+``normalize_reward``, ``reward_mean`` and ``reward_std``, which
+``RewardScorer`` applies.
+
+``--value_head_prefix`` names the head's weights in the saved folder:
+``score`` (the default) is what transformers loads; another name (OpenRLHF
+saves ``value_head``) is read into ``score`` on load and written back under
+that name on export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from openpack.core.batch import PackedBatch, last_token_index
+from openpack.models.loading import ModelLoadError, _from_pretrained, prepare_for_training
+from openpack.models.packed import packed_forward
+
+HEAD = "score"  # transformers' name for the head of every *ForSequenceClassification
+
+
+class PackedRewardModel(torch.nn.Module):
+    """The module DeepSpeed wraps for reward modelling: ``forward(batch)`` -> one fp32 reward per segment, [S]."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch) -> torch.Tensor:
+        if isinstance(batch, PackedBatch):
+            hidden = packed_forward(self.model, batch)  # [T, H]
+        else:  # the unpacked baseline: right-padded rows, attention masked
+            output = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                              use_cache=False)
+            hidden = output.last_hidden_state.flatten(0, 1)  # [B * L, H]
+        last = last_token_index(batch, self.model.config.pad_token_id)
+        return getattr(self.model, HEAD)(hidden[last]).float()[:, 0]
+
+
+def describe_model(pretrain: str) -> str:
+    """What a model folder holds, in words: its architectures and labels (for errors about the wrong kind)."""
+    path = Path(pretrain) / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    labels = len(config.get("id2label", {})) or config.get("num_labels", "?")
+    return f"{', '.join(config.get('architectures') or ['no architectures'])} with {labels} label(s)"
+
+
+def check_reward_model(pretrain: str, flag: str = "--reward_pretrain") -> None:
+    """A folder saved as a one-label sequence classifier (a reward model), else a ModelLoadError naming ``flag``."""
+    from openpack.models.loading import load_model_config
+
+    config = load_model_config(pretrain, flag)
+    heads = [a for a in (config.architectures or []) if a.endswith("ForSequenceClassification")]
+    if not heads or config.num_labels != 1:
+        raise ModelLoadError(f"{flag} {pretrain}: not a reward model: it is {describe_model(pretrain)}, but a reward "
+                             "model is a *ForSequenceClassification with 1 label and a value head; train one with "
+                             "openpack train_rm, or pass a causal LM as --pretrain to train_rm for a new head")
+
+
+def load_reward_model(pretrain: str, bf16: bool = False, gradient_checkpointing: bool = False,
+                      value_head_prefix: str = HEAD, pad_token_id: int | None = None, flag: str = "--pretrain"):
+    """``AutoModelForSequenceClassification`` with one label and openpack's packed attention.
+
+    A causal LM gets a new head (transformers' initialisation, drawn from the current torch seed); a head saved
+    under another ``value_head_prefix`` is read into ``score``. ``pad_token_id`` goes into the config, so the
+    exported model scores padded batches in transformers too.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    from openpack.models.attention import register_packed_attention
+
+    model = _from_pretrained(AutoModelForSequenceClassification, pretrain, "reward model", flag, num_labels=1,
+                             attn_implementation=register_packed_attention(),
+                             dtype=torch.bfloat16 if bf16 else torch.float32)
+    if value_head_prefix != HEAD:
+        _load_head(model, Path(pretrain), value_head_prefix, flag)
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return prepare_for_training(model, gradient_checkpointing)
+
+
+def _load_head(model, folder: Path, prefix: str, flag: str) -> None:
+    """Copy ``<prefix>.weight`` (and bias) of the saved safetensors into the head; absent: keep the new head."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            found = {k: weights.get_tensor(k) for k in weights.keys() if k.split(".")[0] == prefix}
+        if found:
+            head = getattr(model, HEAD)
+            try:
+                head.load_state_dict({k.split(".", 1)[1]: v for k, v in found.items()})
+            except RuntimeError as err:
+                raise ModelLoadError(f"{flag} {folder}: the weights under --value_head_prefix {prefix} do not fit "
+                                     f"a head of hidden size {head.in_features} to 1 ({err})") from err
+            return
+
+
+def normalization(config) -> tuple[float, float] | None:
+    """(mean, std) to normalise rewards with, from a saved reward model's config; None when it has none."""
+    if not getattr(config, "normalize_reward", False):
+        return None
+    return float(config.reward_mean), float(config.reward_std)
+
+
+def set_normalization(config, mean: float, std: float) -> None:
+    """Store the training set's reward mean and std in the config (``--normalize_reward``)."""
+    config.normalize_reward, config.reward_mean, config.reward_std = True, float(mean), float(std)
+
+
+def rename_head(folder: Path, prefix: str) -> None:
+    """Rewrite a saved folder's head weights from ``score.*`` to ``<prefix>.*`` (OpenRLHF's layout)."""
+    from safetensors.torch import load_file, save_file
+
+    for file in Path(folder).glob("*.safetensors"):
+        tensors = load_file(str(file))
+        if any(k.split(".")[0] == HEAD for k in tensors):
+            renamed = {(prefix + k[len(HEAD):] if k.split(".")[0] == HEAD else k): v for k, v in tensors.items()}
+            save_file(renamed, str(file), metadata={"format": "pt"})

@@ -1,0 +1,64 @@
+"""The reward-model step: pairs packed as two isolated segments, one reward each, loss averaged over the step's pairs.
+
+A pair (chosen, rejected) is one packing group, as in DPO; each segment's
+reward is the value head at its last token, and chosen and rejected are told
+apart by the segment table. For a step of N pairs over all micro-batches and
+ranks, each micro-batch hands ``backward`` ``sum(pair losses) / N`` times the
+world size (undoing DeepSpeed's average over ranks): the gradient of the mean
+over the step's pairs, whatever the packing, micro-batch layout or world size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from openpack.core.logprobs import pair_values
+from openpack.core.reward_losses import reward_pair_losses
+from openpack.core.schedule import RankStep
+from openpack.distributed.engine import optimizer_step
+from openpack.distributed.process import DistInfo, all_reduce_sum
+from openpack.trainers.batching import MicroBatcher, step_metrics
+
+# TRL's RewardTrainer names where it has them; means over the step's pairs.
+STATS = ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
+
+
+@dataclass
+class RewardObjective:
+    """Which loss, the centering weight, and each pair's margin by sample id (None: no margins)."""
+
+    loss: str
+    center_rewards_coefficient: float
+    margins: torch.Tensor | None  # [num samples] fp32
+
+
+@torch.no_grad()
+def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor) -> list[float]:
+    """Sums over the micro-batch's pairs of each STATS entry (means are taken over the whole step)."""
+    return [losses.sum().item(), (chosen > rejected).float().sum().item(), (chosen - rejected).sum().item(),
+            chosen.sum().item(), rejected.sum().item()]
+
+
+def rm_step(engine, batcher: MicroBatcher, objective: RewardObjective, step: RankStep, dist: DistInfo) -> dict:
+    start = time.perf_counter()
+    pairs = step.samples
+    sums, grad_norm = [0.0] * len(STATS), None
+    micro_batches = batcher.collate(step.micro_batches)
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        engine.set_gradient_accumulation_boundary(last)
+        batch = batch.to(dist.device)
+        ids, chosen, rejected = pair_values(batch, engine(batch))  # one reward per segment -> per pair
+        margin = None if objective.margins is None else objective.margins[ids.cpu()].to(chosen.device)
+        losses = reward_pair_losses(chosen, rejected, objective.loss, margin, objective.center_rewards_coefficient)
+        engine.backward(losses.sum() * dist.world_size / pairs)
+        grad_norm = optimizer_step(engine) if last else engine.step()
+        sums = [a + b for a, b in zip(sums, pair_stats(chosen, rejected, losses))]
+    totals = all_reduce_sum(sums, dist.device)
+    elapsed = time.perf_counter() - start
+    metrics = {name: total / pairs for name, total in zip(STATS, totals)}
+    metrics.update(pairs=pairs, pairs_per_s=pairs / elapsed)
+    return {**metrics, **step_metrics(step, engine, grad_norm, elapsed)}
