@@ -20,7 +20,7 @@ transformers initialises ``score``: normal with the config's
 head is kept). The saved folder is a plain sequence classifier with
 ``num_labels`` 1; with ``--normalize_reward`` its config also carries
 ``normalize_reward``, ``reward_mean`` and ``reward_std``, which
-``RewardScorer`` applies.
+``RewardScorer`` applies: ``(reward - mean) / std``.
 
 ``--value_head_prefix`` names the head's weights in the saved folder:
 ``score`` (the default) is what transformers loads; another name (OpenRLHF
@@ -140,3 +140,40 @@ def rename_head(folder: Path, prefix: str) -> None:
         if any(k.split(".")[0] == HEAD for k in tensors):
             renamed = {(prefix + k[len(HEAD):] if k.split(".")[0] == HEAD else k): v for k, v in tensors.items()}
             save_file(renamed, str(file), metadata={"format": "pt"})
+
+
+class RewardScorer:
+    """A saved reward model that scores token sequences: packed into rows of at most ``max_tokens`` tokens,
+    one reward each, in the order given, normalised when the model's config says so (``--normalize_reward``).
+
+    This is what the standalone ``openpack score`` runs, in one process or in each actor of a Ray group, and
+    what an RLHF trainer calls for rewards. Every sequence is its own segment, so the rewards of a batch do
+    not depend on how it was packed.
+    """
+
+    def __init__(self, pretrain: str, device="cpu", max_tokens: int = 16384, bf16: bool = False,
+                 value_head_prefix: str = HEAD, flag: str = "--reward_pretrain"):
+        check_reward_model(pretrain, flag)
+        self.model = load_reward_model(pretrain, bf16, value_head_prefix=value_head_prefix, flag=flag)
+        self.model.to(device).eval()
+        self.module, self.device, self.max_tokens = PackedRewardModel(self.model), device, max_tokens
+        self.normalization = normalization(self.model.config)
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]]) -> torch.Tensor:
+        """One reward per sequence, [N] fp32 on the CPU."""
+        from openpack.core.batch import Segment, collate_packed
+        from openpack.core.packing import plan_packs
+
+        longest = max((len(s) for s in sequences), default=0)
+        if longest > self.max_tokens:
+            raise ValueError(f"a sequence of {longest} tokens is longer than a packed row of --max_tokens_per_gpu "
+                             f"{self.max_tokens}; raise --max_tokens_per_gpu")
+        rewards = torch.zeros(len(sequences))
+        for pack in plan_packs([[len(s)] for s in sequences], self.max_tokens).packs:
+            batch = collate_packed([Segment(sequences[i], [False] * len(sequences[i]), i) for i in pack])
+            rewards[batch.sample_index] = self.module(batch.to(self.device)).cpu()
+        if self.normalization is not None:
+            mean, std = self.normalization
+            rewards = (rewards - mean) / std
+        return rewards

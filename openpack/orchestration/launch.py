@@ -39,30 +39,46 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, plan
     if launched_by_environment():
         return worker(*worker_args, **worker_kwargs)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from openpack.orchestration.ray_launcher import ClusterUnreachable, RankDiedError, cluster_address
-    from openpack.orchestration.ray_launcher import launch as ray_launch
 
-    ray = launch_cfg.launcher == "ray"
+    def run():
+        if launch_cfg.launcher != "ray":  # the worker plans for itself and keeps what it tokenized
+            return worker(*worker_args, **worker_kwargs)
+        from openpack.orchestration.ray_launcher import cluster_address
+        from openpack.orchestration.ray_launcher import launch as ray_launch
+
+        address = cluster_address(launch_cfg.ray_address)  # before planning, which can take minutes
+        plans = planner(launch_cfg.num_nodes * launch_cfg.num_gpus_per_node)
+        return ray_launch(worker, worker_args, worker_kwargs, [{"plan": plan} for plan in plans],
+                          num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
+                          num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=address,
+                          reference=reference, memory_advice=memory_advice(configs))
+
+    code, result = launch_command(run, launch_cfg.launcher)
+    return code or result
+
+
+def launch_command(run, launcher: str) -> tuple[int, object]:
+    """``run()`` under the driver's signal handling; (0, its result), or (exit code, None) after one line on stderr.
+
+    The codes: 2 for a ``--ray_address`` with no cluster behind it, 1 for a rank that died, 130 for Ctrl-C and
+    143 for SIGTERM. Shared by every command that runs work locally or on Ray (training, ``openpack score``).
+    """
+    from openpack.orchestration.ray_launcher import ClusterUnreachable, RankDiedError
+
     try:
         with StopSignals(defer=False):
-            if not ray:  # the worker plans for itself and keeps what it tokenized
-                return worker(*worker_args, **worker_kwargs)
-            address = cluster_address(launch_cfg.ray_address)  # before planning, which can take minutes
-            plans = planner(launch_cfg.num_nodes * launch_cfg.num_gpus_per_node)
-            return ray_launch(worker, worker_args, worker_kwargs, [{"plan": plan} for plan in plans],
-                              num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
-                              num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=address,
-                              reference=reference, memory_advice=memory_advice(configs))
+            return 0, run()
     except ClusterUnreachable as err:
         print(f"openpack: {err}", file=sys.stderr)
-        return 2
+        return 2, None
     except RankDiedError as err:
         print(f"openpack: {err}", file=sys.stderr)
-        return 1
+        return 1, None
     except KeyboardInterrupt as err:  # the Ray launcher has already stopped every actor and its local cluster
         stopped = err if isinstance(err, Stopped) else Stopped(signal.SIGINT)
-        print(f"openpack: {stopped.describe()}" + ("; all Ray workers were stopped" if ray else ""), file=sys.stderr)
-        return stopped.exit_code
+        print(f"openpack: {stopped.describe()}" + ("; all Ray workers were stopped" if launcher == "ray" else ""),
+              file=sys.stderr)
+        return stopped.exit_code, None
 
 
 def memory_advice(configs: tuple) -> str | None:

@@ -169,6 +169,69 @@ class ReferenceGroup:
         return RemoteReference(self.actors[rank % len(self.actors)])
 
 
+class _Scorer(_Placed):
+    """One actor of a scorer group (a reward model): builds its scorer once, then scores the sequences it is sent."""
+
+    def setup(self, threads: int, build: Callable, args: tuple) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self.scorer = build(*args)
+
+    def score(self, sequences: list[list[int]]):
+        return self.scorer.score(sequences)
+
+
+class ScorerGroup:
+    """Scorer actors behind one ``score(sequences) -> [N]``: the sequences are cut into contiguous shards of about
+    equal tokens, one per actor, scored at once, and put back in order. An RLHF trainer holds one of these for its
+    reward model (``--reward_num_nodes`` x ``--reward_num_gpus_per_node`` actors); ``score_on_ray`` runs one for
+    ``openpack score``."""
+
+    def __init__(self, actors: list, stop: StopSignals):
+        self.actors, self.stop = actors, stop
+
+    def score(self, sequences: list[list[int]]):
+        import torch
+
+        bounds = _shard_bounds([len(s) for s in sequences], len(self.actors))
+        refs = [actor.score.remote(sequences[lo:hi]) for actor, (lo, hi) in zip(self.actors, bounds) if hi > lo]
+        return torch.cat(_get(refs, self.stop)) if refs else torch.zeros(0)
+
+
+def _shard_bounds(lengths: list[int], shards: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) index ranges, one per shard, each about total / shards tokens."""
+    total, bounds, lo, done = sum(lengths), [], 0, 0
+    for shard in range(1, shards + 1):
+        hi = lo
+        while hi < len(lengths) and (shard == shards or done + lengths[hi] <= total * shard / shards or hi == lo):
+            done += lengths[hi]
+            hi += 1
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def score_on_ray(build: Callable, args: tuple, sequences: list[list[int]], *, num_nodes: int,
+                 num_gpus_per_node: int, num_cpus_per_worker: int | None, ray_address: str | None = None):
+    """``build(*args).score(...)`` over ``sequences`` on a group of ``num_nodes x num_gpus_per_node`` scorer actors.
+
+    Ray's life cycle is the training launcher's: attach or start a local cluster, actors placed in a placement
+    group, everything stopped on return, on an error, on Ctrl-C or SIGTERM (``Stopped``).
+    """
+    import ray
+
+    world = num_nodes * num_gpus_per_node
+    with StopSignals(defer=True) as stop, _Session() as session:
+        if not ray.is_initialized():
+            session.owned = True
+            connect(ray_address, world * (num_cpus_per_worker or 1), stop, session)
+        cpus = num_cpus_per_worker or default_cpus_per_worker(num_gpus_per_node)
+        actors, _ = session.start_group(_Scorer, "reward", world, cpus, stop)
+        _get([actor.setup.remote(cpus, build, args) for actor in actors], stop)
+        return ScorerGroup(actors, stop).score(sequences)
+
+
 def cluster_address(ray_address: str | None) -> str | None:
     """The cluster to attach to, None to start a local one; ``ClusterUnreachable`` when nothing answers there.
 
