@@ -2,12 +2,14 @@
 
 Each script is run as a user would (a subprocess, ``--smoke``: a tiny model,
 vocab and data, one repeat), writing into a tmp folder and a tmp markdown
-file, never into docs/. On 2 cores: ~35 s (DPO), ~45 s (SFT) and ~9 s
-(log-probs), almost all of it the start-up of the fresh process every arm
-runs in (torch, transformers, DeepSpeed or TRL imports), hence the slow mark.
+file, never into docs/. On 2 cores: ~35 s (DPO), ~45 s (SFT), ~15 s (reward
+models) and ~9 s (log-probs), almost all of it the start-up of the fresh
+process every arm runs in (torch, transformers, DeepSpeed or TRL imports),
+hence the slow mark.
 """
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +67,21 @@ def test_sft_vs_trl_smoke(tmp_path):
     assert summary["per_arm"]["TRL packed"]["computed_per_real"] == 1  # padding-free: every slot is real
     assert max(summary["first_step_loss_diff"]) < 1e-4  # openpack vs TRL padded, same rows
     assert "openpack / TRL packed" in text and "openpack / TRL padded" in text
+
+
+@pytest.mark.slow
+def test_rm_vs_trl_smoke(tmp_path):
+    results, text = run_smoke("rm_vs_trl.py", tmp_path)
+    summary = results["summary"]
+    for key in ("tokens_per_s", "pairs_per_s", "step_time_s", "peak_rss_mb"):
+        assert_spread(summary[key], ["openpack", "TRL"])
+    assert len(summary["speedup"]) == 1 and summary["speedup"][0] > 0
+    assert summary["trl_computed_per_real"] > 1  # TRL pads; the data has varied lengths
+    # Same weights, value head and first batch, the reward read at each sequence's eos on both sides.
+    assert max(summary["first_step_loss_diff"]) < 1e-4
+    assert abs(summary["first_step_loss"]["TRL"][0] - math.log(2)) > 1e-3  # the saved head spreads the rewards
+    assert results["scale"] == 16
+    assert "openpack / TRL" in text and "scale factor 16" in text
 
 
 @pytest.mark.slow
