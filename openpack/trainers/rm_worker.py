@@ -54,9 +54,12 @@ def _training_rows(datasets, data_cfg, rm_cfg, seed: int) -> tuple[Rows, Rows | 
     if not rm_cfg.eval_split_ratio:
         return rows, None
     held = [zlib.crc32(f"{seed}:{i}".encode()) % 10_000 < rm_cfg.eval_split_ratio * 10_000 for i in range(len(rows))]
-    pick = lambda keep: Rows([r for r, h in zip(rows.rows, held) if h == keep],  # noqa: E731
-                             [s for s, h in zip(rows.sources, held) if h == keep], rows.skipped)
-    return pick(False), pick(True)
+
+    def rows_where(out: bool) -> Rows:
+        keep = [i for i, h in enumerate(held) if h == out]
+        return Rows([rows.rows[i] for i in keep], [rows.sources[i] for i in keep], rows.skipped)
+
+    return rows_where(False), rows_where(True)
 
 
 def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, world_size: int, demo_model,
