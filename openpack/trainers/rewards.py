@@ -1,0 +1,116 @@
+"""Rewards for online RL: a rule function, a remote reward model over HTTP, or the built-in task's exact match.
+
+Every source is one callable, ``reward(prompts, completions, rows) -> one float per completion``, called on
+a whole rollout batch (``rows`` are the prompts' dataset rows, for labels and other columns). ``checked``
+wraps any source so that a reward that raises, returns NaN or infinity, or returns the wrong number of
+values stops the run with a message naming the source and the batch, not a traceback from the trainer.
+
+* ``--reward_fn path.py:function``: a Python function in a file, imported once.
+* ``--remote_rm_url http://host:port/path``: OpenRLHF's protocol, a JSON POST
+  ``{"query": [prompt + completion, ...], "prompts": [...], "labels": [...]}`` answered with
+  ``{"rewards": [...]}``; each request has a timeout, failures are retried a bounded number of times with
+  a growing pause, and a server that is down or hangs ends the run with one line naming the URL.
+* the built-in task: 1.0 when the completion is the right sum in the bare form, else 0.0 (what the DPO and
+  RM demos prefer), read from the row's ``response``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[dict]], Sequence[float]]
+
+
+class RewardError(RuntimeError):
+    """A reward source failed or answered nonsense; the message names the source, the batch and the fix."""
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """``path.py:function`` -> the function; a bad file, name or object is a RewardError naming --reward_fn."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise RewardError(f"--reward_fn {spec}: write it as path/to/file.py:function_name")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise RewardError(f"--reward_fn {spec}: no file {file}")
+    module_spec = importlib.util.spec_from_file_location(f"openpack_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:  # the user's file: any error is theirs to see, with where it came from
+        raise RewardError(f"--reward_fn {spec}: importing {file} failed: {type(err).__name__}: {err}") from err
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardError(f"--reward_fn {spec}: {file} has no function {name!r}")
+    fn.reward_name = f"--reward_fn {spec}"
+    return fn
+
+
+def remote_reward(url: str, timeout_s: float = 60.0, retries: int = 3, pause_s: float = 1.0) -> RewardFn:
+    """A reward source that POSTs each batch to ``url`` (OpenRLHF's JSON protocol; see the module docstring)."""
+
+    def reward(prompts, completions, rows):
+        payload = {"query": [p + c for p, c in zip(prompts, completions)], "prompts": list(prompts),
+                   "labels": [row.get("label") for row in rows]}
+        request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        failures = []
+        for attempt in range(retries + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+                    body = json.loads(answer.read())
+                if not isinstance(body, dict) or "rewards" not in body:
+                    raise RewardError(f"--remote_rm_url {url}: the answer has no 'rewards' list: {str(body)[:200]}")
+                return body["rewards"]
+            except (urllib.error.URLError, TimeoutError, OSError, ValueError) as err:
+                failures.append(f"{type(err).__name__}: {getattr(err, 'reason', err)}")
+                if attempt < retries:
+                    time.sleep(pause_s * 2 ** attempt)
+        raise RewardError(f"--remote_rm_url {url}: no answer after {retries + 1} tries ({failures[-1]}; timeout "
+                          f"{timeout_s:g} s each); check that the reward server is up and reachable")
+
+    reward.reward_name = f"--remote_rm_url {url}"
+    return reward
+
+
+def exact_match_reward(prompts, completions, rows) -> list[float]:
+    """The built-in task: 1.0 for the right sum in the bare form (the row's ``response``), else 0.0."""
+    return [float(c.strip() == row["response"].strip()) for c, row in zip(completions, rows)]
+
+
+exact_match_reward.reward_name = "the built-in task's exact-match reward"
+
+
+def checked(source: RewardFn) -> Callable[..., list[float]]:
+    """``source`` called on a batch, its answer checked: one finite number per completion, else a RewardError."""
+    name = getattr(source, "reward_name", getattr(source, "__name__", repr(source)))
+
+    def reward(prompts, completions, rows, batch: str = "this batch") -> list[float]:
+        try:
+            values = source(prompts, completions, rows)
+        except RewardError:
+            raise
+        except Exception as err:  # a user's reward function: name it and the batch, keep the cause
+            raise RewardError(f"{name} raised {type(err).__name__}: {err} (on {batch}, {len(completions)} "
+                              "completions)") from err
+        try:
+            values = [float(v) for v in values]
+        except (TypeError, ValueError) as err:
+            raise RewardError(f"{name} returned {str(values)[:120]!r} on {batch}: expected one number per "
+                              "completion") from err
+        if len(values) != len(completions):
+            raise RewardError(f"{name} returned {len(values)} rewards for {len(completions)} completions on {batch}")
+        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            raise RewardError(f"{name} returned {values[bad[0]]} for completion {bad[0]} of {batch} "
+                              f"({len(bad)} not finite): every reward must be a finite number")
+        return values
+
+    return reward
