@@ -1,0 +1,151 @@
+"""A group of rollout engines seen as one: prompts sharded across them, weights sent to all of them.
+
+Engines are local objects (``VLLMEngine``/``HFEngine`` in this process) or Ray actor handles of them
+(``remote=True``); the trainer calls the group the same way either way. Remote calls are plain ``ray.get``:
+a dead actor becomes ``EngineDiedError`` naming the engine and where it ran, so the driver can exit with a
+message instead of a Ray traceback.
+
+Sharding is contiguous with near-equal counts (engine i gets prompts [start_i, start_i + size_i)): results
+concatenate back in prompt order with no index bookkeeping. Balancing by token counts would matter only for
+very mixed prompt lengths; vLLM's continuous batching already evens out most of it inside an engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+
+import torch
+
+from openpack.rollout.types import Completion, SamplingConfig
+
+DEFAULT_BUCKET_BYTES = 256 * 1024**2
+
+
+class EngineDiedError(RuntimeError):
+    """A rollout engine's actor died (crash, OOM kill, node loss)."""
+
+
+def process_location() -> str:
+    """'<host> pid <pid>' of the calling process; engines report it so a dead one can be named."""
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
+def vllm_engine_actor_class(**actor_options):
+    """``ray.remote(VLLMEngine)`` with ``actor_options`` (e.g. ``num_cpus=1`` on CPU, ``num_gpus=1``).
+
+    Create actors with ``cls.options(scheduling_strategy=...).remote(model_path, seed=...)``; the engine sets
+    vLLM's CPU variables in its ``__init__``, inside the actor, before importing vLLM. ``max_concurrency`` is
+    left at 1: an engine serves one call at a time, so calls from one driver run in order.
+    """
+    import ray
+
+    from openpack.rollout.vllm_engine import VLLMEngine
+
+    return ray.remote(**actor_options)(VLLMEngine) if actor_options else ray.remote(VLLMEngine)
+
+
+def shard_sizes(total: int, parts: int) -> list[int]:
+    """Near-equal contiguous shard sizes: shard_sizes(10, 3) == [4, 3, 3]."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def split_contiguous(items: list, parts: int) -> list[list]:
+    """``items`` cut into ``parts`` contiguous runs of near-equal length (some may be empty)."""
+    runs, start = [], 0
+    for size in shard_sizes(len(items), parts):
+        runs.append(items[start:start + size])
+        start += size
+    return runs
+
+
+class EngineGroup:
+    """``engines``: local engine objects, or Ray actor handles of them when ``remote`` is True."""
+
+    def __init__(self, engines: list, remote: bool):
+        if not engines:
+            raise ValueError("EngineGroup needs at least one engine (--vllm_num_engines >= 1)")
+        self.engines = list(engines)
+        self.remote = remote
+        self._where: list[str | None] = [None] * len(self.engines)
+        if remote:
+            self._where = self._call_all("node_and_pid", [()] * len(self.engines))
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
+        """Each engine generates for its contiguous shard; results in prompt order."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
+        shards = list(zip(split_contiguous(prompts, self.num_engines), split_contiguous(seeds, self.num_engines)))
+        return self._sharded("generate", [(p, sampling, s) for p, s in shards])
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Raw log-probs of each sequence's tokens 1.. (see ``VLLMEngine.score``), sharded like ``generate``."""
+        return self._sharded("score", [(shard,) for shard in split_contiguous(sequences, self.num_engines)])
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """Send HF-named weights to every engine, one whole-layer bucket at a time; returns the bucket count."""
+        from openpack.rollout.weight_sync import layer_buckets
+
+        count = 0
+        for bucket in layer_buckets(weights, bucket_bytes):
+            self.broadcast_call("update_weights", bucket)
+            count += 1
+        return count
+
+    def sleep(self) -> None:
+        self.broadcast_call("sleep")
+
+    def wake_up(self) -> None:
+        self.broadcast_call("wake_up")
+
+    def broadcast_call(self, method: str, *args) -> list:
+        """``engine.method(*args)`` on every engine (the arguments put in Ray's object store once)."""
+        if self.remote and args:
+            import ray
+
+            args = tuple(ray.put(a) for a in args)
+        return self._call_all(method, [args] * self.num_engines)
+
+    def submit(self, method: str, *args) -> list:
+        """Start ``method`` on every remote engine without waiting; pass the result to ``wait`` (NcclSync)."""
+        if not self.remote:
+            raise RuntimeError(f"EngineGroup.submit({method!r}) needs Ray actor engines (remote=True)")
+        return [getattr(engine, method).remote(*args) for engine in self.engines]
+
+    def wait(self, refs: list, indices: list[int] | None = None) -> list:
+        """The results of remote calls (``refs[k]`` on engine ``indices[k]``), or EngineDiedError naming the engine."""
+        import ray
+
+        results = []
+        for index, ref in zip(range(len(refs)) if indices is None else indices, refs):
+            try:
+                results.append(ray.get(ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+                raise self._died(index, error) from error
+        return results
+
+    def _sharded(self, method: str, per_engine_args: list[tuple]) -> list:
+        busy = [i for i, args in enumerate(per_engine_args) if args[0]]  # engines with an empty shard sit out
+        results = self._call_all(method, [per_engine_args[i] for i in busy], busy)
+        return [item for shard in results for item in shard]
+
+    def _call_all(self, method: str, per_engine_args: list[tuple], indices: list[int] | None = None) -> list:
+        indices = list(range(self.num_engines)) if indices is None else indices
+        if not self.remote:
+            return [getattr(self.engines[i], method)(*args) for i, args in zip(indices, per_engine_args)]
+        refs = [getattr(self.engines[i], method).remote(*args) for i, args in zip(indices, per_engine_args)]
+        return self.wait(refs, indices)
+
+    def _died(self, index: int, error: Exception) -> EngineDiedError:
+        where = f" on {self._where[index]}" if self._where[index] else ""
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return EngineDiedError(
+            f"vLLM engine {index} of {self.num_engines}{where} died: {first_line}. Its log is in the Ray session "
+            "logs (/tmp/ray/session_latest/logs); out of memory is the usual cause: lower "
+            "--vllm_gpu_memory_utilization or --generate_max_len"
+        )

