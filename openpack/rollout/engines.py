@@ -143,7 +143,7 @@ class EngineGroup:
 
     def _died(self, index: int, error: Exception) -> EngineDiedError:
         where = f" on {self._where[index]}" if self._where[index] else ""
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first_line = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
         return EngineDiedError(
             f"vLLM engine {index} of {self.num_engines}{where} died: {first_line}. Its log is in the Ray session "
             "logs (/tmp/ray/session_latest/logs); out of memory is the usual cause: lower "

@@ -1,0 +1,58 @@
+"""Run by test_rollout_vllm_ray.py in its own process: a VLLMEngine as a Ray actor, used, then killed.
+
+Prints one JSON line with what the test checks. A script (not the pytest process) because ``ray.init``
+replaces signal handlers and vLLM spawns: both are kept out of the test runner.
+"""
+
+import json
+import sys
+import time
+
+from rollout_models import PROMPTS, perturb, save_demo_policy
+
+
+def main(model_dir: str) -> None:
+    import ray
+
+    from openpack.models.packed import PackedCausalLM
+    from openpack.rollout.engines import EngineDiedError, EngineGroup, vllm_engine_actor_class
+    from openpack.rollout.types import SamplingConfig
+    from openpack.rollout.weight_sync import InHostSync, policy_weights
+
+    model = save_demo_policy(model_dir)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor_class = vllm_engine_actor_class(num_cpus=1)
+        actors = []
+        for _ in range(2):  # one after the other: the first fills vLLM's model-info cache, the second reads it
+            actors.append(actor_class.remote(model_dir, seed=0, max_model_len=64))
+            ray.get(actors[-1].node_and_pid.remote())
+        group = EngineGroup(actors, remote=True)
+        sampling = SamplingConfig(n=2, max_tokens=6, temperature=1.0)
+        completions = group.generate(PROMPTS, sampling, seeds=[1, 2, 3, 4])
+        sequences = [PROMPTS[0] + [5, 6, 7], PROMPTS[1] + [8, 9], PROMPTS[2] + [10, 11, 12]]
+        before = group.score(sequences)
+        perturb(model)
+        start = time.perf_counter()
+        InHostSync(group, bucket_bytes=200_000).push(policy_weights(PackedCausalLM(model), 0), is_main=True)
+        sync_s = time.perf_counter() - start
+        after = group.score(sequences)
+        ray.kill(actors[1])
+        try:
+            group.generate(PROMPTS, sampling, seeds=[1, 2, 3, 4])
+            died = None
+        except EngineDiedError as error:
+            died = str(error)
+        print(json.dumps({
+            "shape": [len(row) for row in completions],
+            "lengths": [len(c.tokens) == len(c.logprobs) for row in completions for c in row],
+            "changed": max(abs(a - b) for ra, rb in zip(before, after) for a, b in zip(ra, rb)),
+            "sync_s": sync_s,
+            "died": died,
+        }))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

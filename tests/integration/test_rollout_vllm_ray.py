@@ -1,0 +1,32 @@
+"""Two VLLMEngine Ray actors behind one EngineGroup: sharded generation, weight sync, and a killed engine named.
+
+One test (a Ray cluster and two vLLM engines cost 20-45 s on 2 cores); the script runs in its own process. The file
+sorts after test_rollout_vllm.py on purpose: vLLM inspects a model class in a subprocess the first time it meets it
+with an empty VLLM_CACHE_ROOT (~15 s here), and the test session's cache is shared by both files.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("ray")
+
+SCRIPT = Path(__file__).with_name("rollout_vllm_ray_script.py")
+
+
+@pytest.mark.slow
+def test_engine_actors_generate_sync_and_report_a_dead_engine(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "model")], env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["shape"] == [2, 2, 2, 2] and all(report["lengths"])
+    assert report["changed"] > 1e-2  # both engines took the new weights: log-probs moved
+    assert report["died"] is not None and report["died"].startswith("vLLM engine 1 of 2 on ")
+    assert " pid " in report["died"] and "died" in report["died"]
