@@ -16,6 +16,8 @@ COMMANDS = {
     "train_sft": ("openpack.cli.train_sft", "supervised fine-tuning with packed, dynamically batched micro-batches"),
     "train_dpo": ("openpack.cli.train_dpo", "DPO-family preference training with chosen/rejected pairs bin-packed"),
     "train_rm": ("openpack.cli.train_rm", "Bradley-Terry reward models on bin-packed pairs, exported as classifiers"),
+    "train_ppo": ("openpack.cli.train_ppo", "online RL (REINFORCE++, RLOO, GRPO...) on packed experience, vLLM or HF"),
+    "train_grpo": ("openpack.cli.train_grpo", "train_ppo with GRPO's defaults (group_norm, 8 completions per prompt)"),
     "score": ("openpack.cli.score", "a reward for every row of a dataset, from a reward model train_rm saved"),
     "check_packing": (
         "openpack.cli.check_packing",

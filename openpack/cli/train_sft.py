@@ -172,14 +172,16 @@ def check_consistency(model: ModelConfig, data: DataConfig, train: TrainConfig, 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "sft.yaml"
 
 
-def with_demo_defaults(argv: list[str], command: str, demo_config: Path) -> tuple[list[str], str | None]:
-    """No --pretrain, --dataset or --config: the built-in demo, its defaults from a YAML shown to the user.
+def with_demo_defaults(argv: list[str], command: str, demo_config: Path,
+                       data_flag: str = "--dataset") -> tuple[list[str], str | None]:
+    """No --pretrain, ``data_flag`` or --config: the built-in demo, its defaults from a YAML shown to the user.
 
     Returns the argv to parse and the line announcing the demo (printed once the flags are known good).
     """
-    if any(a.split("=")[0] in ("--pretrain", "--dataset", "--config", "-h", "--help") for a in argv):
+    if any(a.split("=")[0] in ("--pretrain", data_flag, "--config", "-h", "--help") for a in argv):
         return argv, None
-    notice = f"openpack {command}: no --pretrain/--dataset, running the built-in demo with defaults from {demo_config}"
+    notice = (f"openpack {command}: no --pretrain/{data_flag}, running the built-in demo with defaults from "
+              f"{demo_config}")
     return ["--config", str(demo_config), *argv], notice
 
 

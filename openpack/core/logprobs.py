@@ -39,12 +39,14 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, entropy_out=None):
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = start + chunk_tokens
             logits = (hidden[start:end] @ weight.T).float()
             picked = logits.gather(1, labels[start:end, None])[:, 0]
+            if entropy_out is not None:  # H = lse - sum(p * logits), from the chunk already in memory
+                entropy_out[start:end] = _entropy(logits)
             out[start:end] = picked - _logsumexp_(logits)
         ctx.save_for_backward(hidden, weight, labels)
         ctx.chunk_tokens = chunk_tokens
@@ -66,7 +68,15 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
                 grad_hidden[start:end] = grad.to(hidden.dtype) @ weight
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise entropy of softmax(logits) (two chunk-sized temporaries; ``logits`` left as it was)."""
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    log_z = shifted.exp().sum(dim=-1).log()
+    probs = (shifted - log_z[:, None]).exp_()
+    return log_z - (probs * shifted).sum(dim=-1)
 
 
 def _logsumexp_(logits: torch.Tensor) -> torch.Tensor:
@@ -86,18 +96,25 @@ def token_logprobs(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_tokens: int | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-prob of each label under ``softmax(hidden @ weight.T)``.
 
     hidden: [T, H]; weight: [V, H] (the LM head); labels: [T] with
     IGNORE_INDEX where there is nothing to predict. Returns [T] fp32, 0.0 at
-    ignored positions.
+    ignored positions. ``entropy`` ([T] fp32, optional) is filled with the
+    entropy of each labelled position's distribution (0.0 elsewhere), a
+    metric computed from the logits chunk already in memory: no gradient, no
+    second projection.
     """
     labels = labels.reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
     positions = (labels != IGNORE_INDEX).nonzero()[:, 0]
-    picked = _ChunkedLabelLogprobs.apply(hidden[positions], weight, labels[positions], chunk_tokens)
+    picked_entropy = None if entropy is None else torch.zeros(positions.numel(), device=hidden.device)
+    picked = _ChunkedLabelLogprobs.apply(hidden[positions], weight, labels[positions], chunk_tokens, picked_entropy)
+    if entropy is not None:
+        entropy.zero_().index_put_((positions,), picked_entropy)
     out = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)
     return out.index_put((positions,), picked)
 

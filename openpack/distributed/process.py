@@ -98,3 +98,21 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+def all_gather_objects(value) -> list:
+    """Every rank's ``value`` (picklable), in rank order; ``[value]`` without a process group."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [value]
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def broadcast_object(value, src: int = 0):
+    """Rank ``src``'s ``value`` on every rank (the others pass anything, e.g. None)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]

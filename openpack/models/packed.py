@@ -52,17 +52,20 @@ def lm_head_weight(model) -> torch.nn.Parameter:
     return head.weight
 
 
-def packed_token_logprobs(model, batch: PackedBatch, chunk_tokens: int | None = None) -> torch.Tensor:
-    """log p(label_t) for every position of the row: [T] fp32, 0.0 where there is no label."""
+def packed_token_logprobs(model, batch: PackedBatch, chunk_tokens: int | None = None,
+                          entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(label_t) for every position of the row: [T] fp32, 0.0 where there is no label (``entropy``: see
+    ``core.logprobs.token_logprobs``)."""
     weight = lm_head_weight(model)
-    return token_logprobs(packed_forward(model, batch), weight, batch.labels[0], chunk_tokens)
+    return token_logprobs(packed_forward(model, batch), weight, batch.labels[0], chunk_tokens, entropy)
 
 
-def padded_token_logprobs(model, batch: PaddedBatch, chunk_tokens: int | None = None) -> torch.Tensor:
+def padded_token_logprobs(model, batch: PaddedBatch, chunk_tokens: int | None = None,
+                          entropy: torch.Tensor | None = None) -> torch.Tensor:
     """The unpacked baseline: [B * L] fp32 log-probs of right-padded rows (plain SDPA with a padding mask)."""
     weight = lm_head_weight(model)
     output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    return token_logprobs(output.last_hidden_state, weight, batch.labels.reshape(-1), chunk_tokens)
+    return token_logprobs(output.last_hidden_state, weight, batch.labels.reshape(-1), chunk_tokens, entropy)
 
 
 class PackedCausalLM(torch.nn.Module):
@@ -78,7 +81,8 @@ class PackedCausalLM(torch.nn.Module):
         self.model = model
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
+    def forward(self, batch: PackedBatch | PaddedBatch, entropy: torch.Tensor | None = None) -> torch.Tensor:
+        """``entropy`` (optional, [tokens] fp32) is filled with each labelled position's entropy, a metric."""
         if isinstance(batch, PackedBatch):
-            return packed_token_logprobs(self.model, batch, self.chunk_tokens)
-        return padded_token_logprobs(self.model, batch, self.chunk_tokens)
+            return packed_token_logprobs(self.model, batch, self.chunk_tokens, entropy)
+        return padded_token_logprobs(self.model, batch, self.chunk_tokens, entropy)

@@ -27,13 +27,15 @@ def launched_by_environment() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "CROSS_RANK" in os.environ
 
 
-def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, planner, reference=None) -> int:
+def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, planner, reference=None,
+           engines=None) -> int:
     """Run ``worker`` on every rank with the launcher the last config (LaunchConfig) names.
 
     Under Ray this process is the driver: ``planner(world_size)`` tokenizes the data once and returns
     each rank's plan, handed to rank r as ``plan=``. With ``--launcher local``, torchrun or the deepspeed
     launcher there is no driver: every process is a rank, plans for itself and trains on what it tokenized.
-    ``reference`` (train_dpo with --ref_num_nodes) describes a separate reference actor group (Ray only).
+    ``reference`` (train_dpo with --ref_num_nodes) describes a separate reference actor group, ``engines``
+    (online RL with vLLM) the rollout engine actors (Ray only).
     """
     launch_cfg = configs[-1]
     if launched_by_environment():
@@ -51,7 +53,7 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, plan
         return ray_launch(worker, worker_args, worker_kwargs, [{"plan": plan} for plan in plans],
                           num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
                           num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=address,
-                          reference=reference, memory_advice=memory_advice(configs))
+                          reference=reference, engines=engines, memory_advice=memory_advice(configs))
 
     code, result = launch_command(run, launch_cfg.launcher)
     return code or result
@@ -64,6 +66,7 @@ def launch_command(run, launcher: str) -> tuple[int, object]:
     143 for SIGTERM. Shared by every command that runs work locally or on Ray (training, ``openpack score``).
     """
     from openpack.orchestration.ray_launcher import ClusterUnreachable, RankDiedError
+    from openpack.rollout.engines import EngineDiedError
 
     try:
         with StopSignals(defer=False):
@@ -71,7 +74,7 @@ def launch_command(run, launcher: str) -> tuple[int, object]:
     except ClusterUnreachable as err:
         print(f"openpack: {err}", file=sys.stderr)
         return 2, None
-    except RankDiedError as err:
+    except (RankDiedError, EngineDiedError) as err:
         print(f"openpack: {err}", file=sys.stderr)
         return 1, None
     except KeyboardInterrupt as err:  # the Ray launcher has already stopped every actor and its local cluster
@@ -88,7 +91,7 @@ def memory_advice(configs: tuple) -> str | None:
     ``--micro_train_batch_size``, and at one sample by ``--max_len`` unless gradient checkpointing is still off.
     """
     options = {k: v for config in configs[:-1] for k, v in vars(config).items()}
-    if "max_tokens_per_gpu" not in options:
+    if "max_tokens_per_gpu" not in options or "max_len" not in options and not options["use_dynamic_batch"]:
         return None
     if options["use_dynamic_batch"]:
         cap = options["max_tokens_per_gpu"]

@@ -62,6 +62,17 @@ class ReferenceGroupSpec:
     num_gpus_per_node: int
 
 
+@dataclass
+class EngineGroupSpec:
+    """Rollout engines (online RL): ``num_engines`` vLLM actors serving ``model_path``, handed to every rank as an
+    ``EngineGroup``. On GPUs each takes ``tensor_parallel_size`` GPUs; on CPUs one CPU each."""
+
+    model_path: str
+    num_engines: int
+    tensor_parallel_size: int
+    options: dict
+
+
 class RankDiedError(RuntimeError):
     """A worker process died (killed, out of memory, node lost)."""
 
@@ -308,7 +319,8 @@ def default_cpus_per_worker(ranks_per_node: int) -> int:
 
 def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict], *, num_nodes: int,
            num_gpus_per_node: int, num_cpus_per_worker: int | None, ray_address: str | None = None,
-           reference: ReferenceGroupSpec | None = None, memory_advice: str | None = None):
+           reference: ReferenceGroupSpec | None = None, engines: EngineGroupSpec | None = None,
+           memory_advice: str | None = None):
     """Run ``worker(*args, **kwargs, **rank_kwargs[rank])`` on every rank; returns rank 0's result.
 
     ``ray_address`` is ``cluster_address``'s answer; ``memory_advice`` (``lower --max_tokens_per_gpu 16384 (try
@@ -323,7 +335,10 @@ def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict],
     with StopSignals(defer=True) as stop, _Session() as session:
         if not ray.is_initialized():
             session.owned = True
-            connect(ray_address, (world + ref_world) * (num_cpus_per_worker or 1), stop, session)
+            connect(ray_address, (world + ref_world) * (num_cpus_per_worker or 1) + (engines.num_engines if engines
+                                                                                     else 0), stop, session)
+        if engines:  # first: an engine loads its model while the ranks start
+            kwargs = {**kwargs, "engine_group": _start_engines(session, engines, stop)}
         cpus = num_cpus_per_worker or default_cpus_per_worker(num_gpus_per_node + (reference.num_gpus_per_node
                                                                                   if reference else 0))
         if reference:
@@ -367,14 +382,16 @@ class _Session:
         if self.watchdog is not None:  # kills what the shutdown left (Ray's agents linger for a minute)
             stop_watchdog(self.watchdog)
 
-    def start_group(self, cls, name: str, world: int, cpus: int, stop: StopSignals):
-        """``world`` actors of ``cls``, one per bundle of a new placement group; prints where each runs."""
+    def start_group(self, cls, name: str, world: int, cpus: int, stop: StopSignals, init_args: tuple = (),
+                    gpus_per_actor: int = 1, init_kwargs: dict | None = None):
+        """``world`` actors of ``cls(*init_args, **init_kwargs)``, one per bundle of a new placement group; prints where each
+        runs (waiting for every constructor)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= world else 0
-        bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {})}
+        gpus = gpus_per_actor if ray.cluster_resources().get("GPU", 0) >= world * gpus_per_actor else 0
+        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         print(f"ray: placing {world} {name} actors, one per bundle of {bundle}", flush=True)
         group = placement_group([bundle] * world, strategy="PACK")
         self.groups.append(group)
@@ -382,12 +399,27 @@ class _Session:
         remote = ray.remote(cls)
         for rank in range(world):
             self.actors.append(remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=(
-                PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank))).remote())
+                PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank))).remote(
+                *init_args, **(init_kwargs or {})))
         actors = self.actors[-world:]
         placed = _get([a.node.remote() for a in actors], stop)
         for rank, (node, pid) in enumerate(placed):
             print(f"ray: {name} {rank} pid {pid} on node {node}", flush=True)
         return actors, [node for node, _ in placed]
+
+
+def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals):
+    """The engine actors, ready (model loaded), as the ``EngineGroup`` every rank is handed."""
+    from openpack.rollout.engines import EngineGroup
+    from openpack.rollout.vllm_engine import VLLMEngine
+
+    class _Engine(_Placed, VLLMEngine):
+        """A vLLM rollout engine in a Ray actor, placed like every other actor."""
+
+    actors, _ = session.start_group(_Engine, "vllm engine", spec.num_engines, 1, stop, (spec.model_path,),
+                                    spec.tensor_parallel_size, dict(spec.options,
+                                                                    tensor_parallel_size=spec.tensor_parallel_size))
+    return EngineGroup(actors, remote=True)
 
 
 def _get(refs: list, stop: StopSignals) -> list:

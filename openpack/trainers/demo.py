@@ -28,6 +28,7 @@ DEMO_MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, n
 TRAIN_SAMPLES = 8960  # 140 steps of 64 per epoch
 PREFERENCE_SAMPLES = 4096
 REWARD_SAMPLES = 8960  # two passes over the ~9,000 training problems: judging a sum right needs more than DPO
+PROMPT_SAMPLES = 4096  # RL prompts: more than a demo run samples, so no prompt repeats
 EVAL_SAMPLES = 1022  # every held-out problem
 
 
@@ -100,6 +101,11 @@ def write_preference_data(save_path: Path, is_main: bool, n: int = PREFERENCE_SA
     """The demo's training preference pairs as JSONL: chosen the bare right answer, rejected its wordy form or a
     plausible wrong one."""
     return _write_demo_rows(Path(save_path) / "demo_data" / name, demo_preference_pairs("train", n), is_main)
+
+
+def write_prompt_data(save_path: Path, is_main: bool, n: int = PROMPT_SAMPLES) -> list[str]:
+    """The demo's RL prompts as JSONL: training problems with their bare answer under ``response``."""
+    return _write_demo_rows(Path(save_path) / "demo_data" / "rl_prompts.jsonl", demo_samples("train", n), is_main)
 
 
 def preference_eval_pairs(tokenizer, n: int = EVAL_SAMPLES):

@@ -53,12 +53,13 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def remote_reward(url: str, timeout_s: float = 60.0, retries: int = 3, pause_s: float = 1.0) -> RewardFn:
+def remote_reward(url: str, timeout_s: float = 60.0, retries: int = 3, pause_s: float = 1.0,
+                  label_key: str = "label") -> RewardFn:
     """A reward source that POSTs each batch to ``url`` (OpenRLHF's JSON protocol; see the module docstring)."""
 
     def reward(prompts, completions, rows):
         payload = {"query": [p + c for p, c in zip(prompts, completions)], "prompts": list(prompts),
-                   "labels": [row.get("label") for row in rows]}
+                   "labels": [row.get(label_key) for row in rows]}
         request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
         failures = []
@@ -80,11 +81,21 @@ def remote_reward(url: str, timeout_s: float = 60.0, retries: int = 3, pause_s: 
     return reward
 
 
-def exact_match_reward(prompts, completions, rows) -> list[float]:
-    """The built-in task: 1.0 for the right sum in the bare form (the row's ``response``), else 0.0."""
-    return [float(c.strip() == row["response"].strip()) for c, row in zip(completions, rows)]
+def exact_match(label_key: str) -> RewardFn:
+    """1.0 when the completion, stripped, equals the row's ``label_key`` column, stripped (``--label_key``)."""
+
+    def reward(prompts, completions, rows):
+        missing = [i for i, row in enumerate(rows) if not isinstance(row.get(label_key), str)]
+        if missing:
+            raise RewardError(f"--label_key {label_key}: row {missing[0]} of the batch has no text under "
+                              f"'{label_key}' ({len(missing)} rows without one); fix the data or the key")
+        return [float(c.strip() == row[label_key].strip()) for c, row in zip(completions, rows)]
+
+    reward.reward_name = f"exact match against --label_key {label_key}"
+    return reward
 
 
+exact_match_reward = exact_match("response")  # the built-in task: the right sum in the bare form
 exact_match_reward.reward_name = "the built-in task's exact-match reward"
 
 

@@ -106,12 +106,14 @@ class TrainingRun:
     """One run of this rank's planned steps with the shared model, train and output flags."""
 
     def __init__(self, model, tokenizer, plan: RankPlan, model_cfg, train_cfg, out_cfg, dist: DistInfo,
-                 save_config: Callable[[Path], None] | None = None, module: torch.nn.Module | None = None):
-        """``module`` wraps ``model`` for the engine (default ``PackedCausalLM``: per-token log-probs)."""
+                 save_config: Callable[[Path], None] | None = None, module: torch.nn.Module | None = None,
+                 optimizer_steps: int | None = None):
+        """``module`` wraps ``model`` for the engine (default ``PackedCausalLM``: per-token log-probs);
+        ``optimizer_steps`` sizes the learning-rate schedule when a planned step holds several (online RL)."""
         self.tokenizer, self.dist, self.plan, self.out_cfg = tokenizer, dist, plan, out_cfg
         self.save_path = Path(out_cfg.save_path)
         steps = len(plan.steps)
-        self.engine = create_engine(module or PackedCausalLM(model), optim_config(train_cfg, steps),
+        self.engine = create_engine(module or PackedCausalLM(model), optim_config(train_cfg, optimizer_steps or steps),
                                     zero_config(model_cfg), dist.world_size)
         self.ckpt_path = checkpoint_dir(self.save_path, out_cfg.ckpt_path)
         self.run_id = decided_by_main(

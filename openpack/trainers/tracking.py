@@ -42,7 +42,7 @@ from urllib.parse import urlparse
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-PROGRESS_KEYS = ("loss", "tokens_per_s", "packing_efficiency")
+PROGRESS_KEYS = ("loss", "reward", "tokens_per_s", "packing_efficiency")
 
 
 def format_metric(key: str, value: float) -> str:
@@ -186,7 +186,7 @@ class Tracker:
         self.save_path, self.total_steps = save_path, total_steps
         self.display = (ForwardedConsole(_forward_to, total_steps, progress_keys) if _forward_to and console is None
                         else ProgressDisplay(total_steps, console, progress_keys))
-        self.history: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": []}
+        self.history: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": [], "reward": []}
         self.metrics_file = None
         if save_path is not None:
             os.makedirs(save_path, exist_ok=True)
@@ -283,25 +283,29 @@ class Tracker:
         if self.metrics_file is not None:
             self.metrics_file.close()
         if self.save_path is not None and self.history["loss"]:
-            self._write_loss_plot(os.path.join(self.save_path, "loss.png"))
+            self._write_plot(os.path.join(self.save_path, "loss.png"), "loss", {"loss": "train loss",
+                                                                                "eval_loss": "eval loss"})
+        if self.save_path is not None and self.history["reward"]:  # online RL: the curve that matters
+            self._write_plot(os.path.join(self.save_path, "reward.png"), "mean reward", {"reward": "rollout reward"})
         if self.wandb_run is not None:
             self.wandb_run.finish()
         if self.tb_writer is not None:
             self.tb_writer.close()
 
-    def _write_loss_plot(self, path: str) -> None:
+    def _write_plot(self, path: str, ylabel: str, series: dict[str, str]) -> None:
+        """A PNG of the ``series`` (history key -> label) over steps."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # not pyplot: no global backend, no display
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(8, 4.5), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        for key, label in (("loss", "train loss"), ("eval_loss", "eval loss")):
+        for key, label in series.items():
             if self.history[key]:
                 steps, values = zip(*self.history[key])
                 ax.plot(steps, values, label=label, marker="o" if key == "eval_loss" else None)
         ax.set_xlabel("step")
-        ax.set_ylabel("loss")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
         tmp = path + ".tmp"

@@ -1,0 +1,209 @@
+"""``openpack train_ppo`` and ``openpack train_grpo``: online RL on packed experience, rollouts from vLLM or HF.
+
+One command with two defaults: ``train_grpo`` is ``train_ppo --advantage_estimator
+group_norm --n_samples_per_prompt 8``. With no ``--pretrain`` and no
+``--prompt_data`` it runs the built-in demo: the SFT demo model (trained
+first and cached), which answers the addition task right but wordily,
+learns to answer in the bare form from the exact-match reward alone, and
+held-out exact match is reported before and after.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from openpack.cli.config import ConfigError, arg, parse_config
+from openpack.cli.train_sft import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce, check_inputs,
+                                    check_template_flags, demo_sft_model, planned_world_size, save_all,
+                                    with_demo_defaults)
+from openpack.core.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+from openpack.core.rl_losses import LOSS_AGG_MODES
+from openpack.orchestration.launch import launch, launched_by_environment
+
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "grpo.yaml"
+GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")  # a baseline from the prompt's group
+
+
+@dataclass
+class PromptDataConfig:
+    prompt_data: list[str] | None = arg(None, "prompt datasets: HF names or local .json/.jsonl/.parquet files or "
+                                        "folders; none: the built-in demo's prompts")
+    prompt_data_probs: list[float] | None = arg(None, "sampling probability of each --prompt_data (sums to 1)",
+                                                above=0, special={None: "datasets concatenated"})
+    input_key: str = arg("prompt", "key of the prompt in each row: a text, or a list of chat messages")
+    label_key: str | None = arg(None, "key of a reference answer: passed to rewards (rows, and 'labels' of "
+                                "--remote_rm_url); alone, the reward is exact match of the completion to it")
+    apply_chat_template: bool = arg(False, "text prompts become a user turn of the tokenizer's chat template, ending "
+                                    "with its generation prompt (lists of messages always do)")
+    input_template: str | None = arg(None, "text prompts become this with {} replaced by the prompt, e.g. "
+                                     "$'User: {}\\nAssistant: ' (OpenRLHF's flag)")
+    prompt_max_len: int = arg(1024, "prompts longer than this many tokens are left out (and counted)", at_least=1)
+    max_samples: int | None = arg(None, "use at most this many prompts", at_least=1, special={None: "every prompt"})
+    skip_bad_samples: bool = arg(False, "skip and count malformed rows instead of stopping with an error")
+
+    def validate(self):
+        check_template_flags(self.input_template, self.apply_chat_template)
+
+
+@dataclass
+class RLTrainConfig(TrainConfig):
+    """TrainConfig with the meanings OpenRLHF's PPO gives some of its flags."""
+
+    train_batch_size: int = arg(128, "completions per optimizer step, over all ranks (a rollout batch of "
+                                "--rollout_batch_size x --n_samples_per_prompt is cut into these)", at_least=1)
+    max_epochs: int = arg(1, "passes over each rollout batch (PPO epochs)", at_least=1)
+    max_steps: int | None = arg(None, "stop after this many rollout batches", at_least=1,
+                                special={None: "every rollout batch of --num_episodes"})
+    learning_rate: float = arg(1e-6, "peak learning rate of the policy (AdamW; OpenRLHF's --actor_learning_rate)",
+                               above=0)
+    lr_warmup_ratio: float = arg(0.0, "share of optimizer steps spent warming up linearly", at_least=0, at_most=1)
+    lr_scheduler: str = arg("constant", "schedule after warmup", choices=["cosine", "linear", "constant"])
+
+
+@dataclass
+class RolloutConfig:
+    rollout_backend: str = arg("auto", "who generates: vllm (engine actors, weights synced after every update), hf "
+                               "(transformers' generate in the training ranks), auto (vllm if it imports, else hf)",
+                               choices=["auto", "vllm", "hf"])
+    vllm_num_engines: int = arg(1, "vLLM engines (Ray actors under --launcher ray; in rank 0's process otherwise)",
+                                at_least=1)
+    vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine", at_least=1)
+    vllm_gpu_memory_utilization: float = arg(0.9, "share of a GPU's memory vLLM may take (weights + KV cache)",
+                                             above=0, at_most=1)
+    vllm_sync_backend: str = arg("inhost", "how weights reach the engines: inhost (tensors through Ray or the "
+                                 "process: works everywhere, the CPU path) or nccl (broadcast from rank 0 into the "
+                                 "engines' GPUs: multi-node GPUs; not run on hardware yet)", choices=["inhost", "nccl"])
+    rollout_batch_size: int = arg(128, "prompts per rollout batch", at_least=1)
+    n_samples_per_prompt: int = arg(1, "completions sampled per prompt", at_least=1)
+    micro_rollout_batch_size: int = arg(32, "prompts per generate call with --rollout_backend hf", at_least=1)
+    generate_max_len: int = arg(1024, "most tokens a completion may have", at_least=1)
+    temperature: float = arg(1.0, "sampling temperature (log-probs are scored at temperature 1 either way)", above=0)
+    top_p: float = arg(1.0, "nucleus sampling: the smallest set of tokens with this much probability", above=0,
+                       at_most=1)
+    num_episodes: int = arg(1, "passes over the prompts", at_least=1)
+
+
+@dataclass
+class RLConfig:
+    advantage_estimator: str = arg("reinforce", "how rewards become advantages (docs/rl.md): group_norm (GRPO), "
+                                   "dr_grpo, rloo, reinforce (REINFORCE++), reinforce_baseline",
+                                   choices=list(ADVANTAGE_ESTIMATORS))
+    init_kl_coef: float = arg(0.0, "KL(policy || reference) coefficient: in the reward per token, or with "
+                              "--use_kl_loss a loss term; 0 loads no reference model (TRL's default; "
+                              "OpenRLHF's is 0.01)", at_least=0)
+    kl_estimator: str = arg("k1", "per-token KL estimate (k1: d, k2: d^2/2, k3: e^-d - 1 + d)",
+                            choices=list(KL_ESTIMATORS))
+    use_kl_loss: bool = arg(False, "the KL is a loss term (GRPO) instead of a reward penalty")
+    eps_clip: float = arg(0.2, "PPO clip range of the importance ratio", above=0)
+    eps_clip_low_high: list[float] | None = arg(None, "two values: DAPO's clip-higher (low, high), e.g. 0.2 0.28",
+                                                above=0, special={None: "--eps_clip both sides"})
+    loss_agg_mode: str = arg("token_mean", "how token losses add up to a step's loss: token_mean, "
+                             "seq_mean_token_mean, seq_mean_token_sum_norm (Dr. GRPO)", choices=list(LOSS_AGG_MODES))
+    gamma: float = arg(1.0, "discount of per-token rewards within a completion", at_least=0, at_most=1)
+    vllm_is_correction_cap: float = arg(0.0, "truncated importance sampling: weight each token by "
+                                        "min(p_trainer / p_vllm, cap)", at_least=0, special={0.0: "off"})
+    reward_fn: str | None = arg(None, "rule reward: path/to/file.py:function(prompts, completions, rows) -> floats")
+    remote_rm_url: str | None = arg(None, "reward server (OpenRLHF's JSON protocol: POST query/prompts/labels, "
+                                    "answer {'rewards': [...]})")
+    remote_rm_timeout: float = arg(60.0, "seconds a --remote_rm_url request may take before it is retried", above=0)
+    ref_pretrain: str | None = arg(None, "reference model of the KL term; default: --pretrain")
+
+    def validate(self):
+        if self.eps_clip_low_high is not None and len(self.eps_clip_low_high) != 2:
+            raise ConfigError(f"--eps_clip_low_high takes two values (low high), got {self.eps_clip_low_high}")
+        if self.reward_fn and self.remote_rm_url:
+            raise ConfigError("give one reward: --reward_fn or --remote_rm_url, not both")
+
+
+@dataclass
+class GRPORolloutConfig(RolloutConfig):
+    n_samples_per_prompt: int = arg(8, "completions sampled per prompt (the group whose rewards are compared)",
+                                    at_least=1)
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    advantage_estimator: str = arg("group_norm", RLConfig.__dataclass_fields__["advantage_estimator"].metadata["help"],
+                                   choices=list(ADVANTAGE_ESTIMATORS))
+
+
+CONFIGS = (ModelConfig, PromptDataConfig, RLTrainConfig, OutputConfig, RolloutConfig, RLConfig, LaunchConfig)
+GRPO_CONFIGS = (ModelConfig, PromptDataConfig, RLTrainConfig, OutputConfig, GRPORolloutConfig, GRPOConfig,
+                LaunchConfig)
+
+
+def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) -> None:
+    """Checks that span several config groups."""
+    n, completions = rollout_cfg.n_samples_per_prompt, rollout_cfg.rollout_batch_size * rollout_cfg.n_samples_per_prompt
+    if rl_cfg.advantage_estimator in GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(f"--advantage_estimator {rl_cfg.advantage_estimator} compares each completion with the "
+                          f"others of its prompt: set --n_samples_per_prompt >= 2 (got {n})")
+    if completions % train_cfg.train_batch_size:
+        raise ConfigError(f"a rollout batch of {completions} completions (--rollout_batch_size x "
+                          f"--n_samples_per_prompt) does not split into steps of --train_batch_size "
+                          f"{train_cfg.train_batch_size}; make it a divisor")
+    world = planned_world_size(launch_cfg)
+    if not (train_cfg.packing_samples and train_cfg.use_dynamic_batch) and \
+            train_cfg.train_batch_size % (train_cfg.micro_train_batch_size * world):
+        raise ConfigError(f"--train_batch_size {train_cfg.train_batch_size} does not split into micro-batches of "
+                          f"--micro_train_batch_size {train_cfg.micro_train_batch_size} on {world} rank(s); make it "
+                          f"a multiple of {train_cfg.micro_train_batch_size * world}, or pass --packing_samples "
+                          "--use_dynamic_batch")
+    longest = data_cfg.prompt_max_len + rollout_cfg.generate_max_len
+    if train_cfg.packing_samples and train_cfg.use_dynamic_batch and longest > train_cfg.max_tokens_per_gpu:
+        raise ConfigError(f"a prompt and its completion can be {longest} tokens (--prompt_max_len + "
+                          f"--generate_max_len), more than --max_tokens_per_gpu {train_cfg.max_tokens_per_gpu}; "
+                          "raise it or lower those")
+    if (model_cfg.pretrain is None) != (data_cfg.prompt_data is None):
+        raise ConfigError("give --pretrain and --prompt_data together, or neither for the built-in demo (the demo "
+                          "model's tokenizer only knows the demo task's characters)")
+    if rl_cfg.vllm_is_correction_cap and rollout_cfg.rollout_backend == "hf":
+        raise ConfigError("--vllm_is_correction_cap corrects vLLM's sampling mismatch; with --rollout_backend hf "
+                          "the policy samples itself: drop it")
+    if rl_cfg.use_kl_loss and not rl_cfg.init_kl_coef:
+        raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
+
+
+def main(argv: list[str] | None = None, command: str = "train_ppo", config_classes: tuple = CONFIGS) -> int:
+    from openpack.data.loading import DataError
+    from openpack.models.loading import ModelLoadError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    argv, demo_notice = with_demo_defaults(argv, command, DEMO_CONFIG, data_flag="--prompt_data")
+    try:
+        configs = parse_config(argv, f"openpack {command}", __doc__.split("\n\n")[0], *config_classes)
+        model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = configs
+        check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg)
+        check_inputs(data_cfg.prompt_data, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": rl_cfg.ref_pretrain})
+    except (ConfigError, DataError, ModelLoadError) as err:
+        print(f"openpack {command}: {err}", file=sys.stderr)
+        return 2
+    announce(command, configs, demo_notice)
+    from openpack.distributed.save_path import CheckpointError, own_save_path
+    from openpack.trainers.ppo_worker import plan_rl, run_ppo
+
+    try:
+        with own_save_path(out_cfg, launched_by_environment()):
+            demo_model = demo_sft_model(launch_cfg, train_cfg.seed) if model_cfg.pretrain is None else None
+            engines = _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model)
+            return launch(run_ppo, configs[:-1], {"demo_model": demo_model,
+                                                      "save_config": functools.partial(save_all, configs)},
+                          configs, functools.partial(plan_rl, *configs[:6], demo_model=demo_model), engines=engines)
+    except (DataError, ModelLoadError, CheckpointError) as err:
+        print(f"openpack {command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model):
+    """vLLM engines as Ray actors when the driver is a Ray driver; otherwise rank 0 starts them in-process."""
+    from openpack.trainers.ppo_worker import resolved_backend, vllm_options
+
+    if resolved_backend(rollout_cfg) != "vllm" or launch_cfg.launcher != "ray" or launched_by_environment():
+        return None
+    from openpack.orchestration.ray_launcher import EngineGroupSpec
+
+    return EngineGroupSpec(model_cfg.pretrain or str(demo_model), rollout_cfg.vllm_num_engines,
+                           rollout_cfg.vllm_tensor_parallel_size, {"seed": train_cfg.seed, **vllm_options(rollout_cfg)})

@@ -1,0 +1,324 @@
+"""What ``openpack train_ppo`` / ``train_grpo`` runs on each rank: set-up, then one RL step per rollout batch.
+
+rank: process group -> tokenizer, policy, prompts -> the rollout schedule
+(seeded prompt order per episode, cut into rollout batches) -> the shared
+run (engine, resume, tracker, checkpoints; ``trainers/run.py``) ->
+reference model (when a KL term needs one) -> rollout engines (vLLM actors
+handed over by the driver, in-process vLLM, or HF generation with the
+policy itself) -> (demo: held-out exact match) -> steps -> final model.
+
+A planned step of ``TrainingRun`` is one rollout batch here: checkpoints,
+``--save_steps``, ``--max_steps``, the progress bar and metrics.jsonl count
+rollout steps, while the learning-rate schedule counts optimizer steps. A
+step's digest names its prompts, so a resume with other data or seeds is
+refused, and each request's sampling seed comes from the run's seed and
+the prompt's place in the schedule, so a resumed run samples what the
+uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+from openpack.core.rl_losses import PolicyLossParams
+from openpack.core.packing import shuffled_epoch
+from openpack.core.schedule import RankPlan, RankStep
+from openpack.data.loading import DataError, load_rows
+from openpack.data.prompts import Prompt, tokenize_prompts
+from openpack.models.loading import load_causal_lm, load_tokenizer
+from openpack.rollout.types import SamplingConfig
+from openpack.trainers import demo, reference
+from openpack.trainers.ppo import RLSettings, Rollouts, rollout_metrics, shared_rewards, shared_rollouts, train_on
+from openpack.trainers.rewards import checked, exact_match, exact_match_reward, load_reward_fn, remote_reward
+from openpack.trainers.run import TrainingRun, start_worker
+
+logger = logging.getLogger("openpack")
+
+
+def rollout_schedule(num_prompts: int, rollout_batch_size: int, num_episodes: int, seed: int,
+                     max_steps: int | None) -> list[list[int]]:
+    """Prompt ids of every rollout batch: each episode a seeded permutation cut into full batches."""
+    per_episode = num_prompts // rollout_batch_size
+    if per_episode == 0:
+        raise DataError(f"{num_prompts} prompts make no rollout batch of --rollout_batch_size {rollout_batch_size}; "
+                        "lower --rollout_batch_size or add prompts")
+    batches = []
+    for episode in range(num_episodes):
+        order = shuffled_epoch(num_prompts, seed, episode)
+        batches += [order[i * rollout_batch_size:(i + 1) * rollout_batch_size] for i in range(per_episode)]
+    return batches[:max_steps] if max_steps else batches
+
+
+def updates_per_rollout(rollout_cfg, train_cfg) -> int:
+    """Optimizer steps per rollout batch: its completions in steps of --train_batch_size, --max_epochs times."""
+    return rollout_cfg.rollout_batch_size * rollout_cfg.n_samples_per_prompt // train_cfg.train_batch_size \
+        * train_cfg.max_epochs
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of prompt ``index`` of rollout batch ``step``: the same in a resumed run and any layout."""
+    digest = hashlib.sha256(f"{seed}/{step}/{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str]) -> list[Prompt]:
+    """The prompts of --prompt_data (mixed by --prompt_data_probs, cut to --max_samples), tokenized."""
+    rows = load_rows(datasets, data_cfg.prompt_data_probs, seed, data_cfg.skip_bad_samples)
+    if data_cfg.max_samples is not None:
+        rows.rows, rows.sources = rows.rows[:data_cfg.max_samples], rows.sources[:data_cfg.max_samples]
+    prompts, left_out = tokenize_prompts(rows, tokenizer, data_cfg.input_key, data_cfg.apply_chat_template,
+                                         data_cfg.input_template, data_cfg.prompt_max_len, data_cfg.skip_bad_samples)
+    left_out += rows.skipped
+    if left_out:
+        logger.warning("prompts: %d used, %s left out", len(prompts),
+                       ", ".join(f"{n} {why}" for why, n in sorted(left_out.items())))
+    else:
+        logger.info("prompts: %d", len(prompts))
+    return prompts
+
+
+def reward_source(rl_cfg, data_cfg, is_demo: bool):
+    """--reward_fn, --remote_rm_url, exact match on --label_key, or (demo) the task's exact match; checked."""
+    if rl_cfg.reward_fn:
+        return checked(load_reward_fn(rl_cfg.reward_fn))
+    if rl_cfg.remote_rm_url:
+        return checked(remote_reward(rl_cfg.remote_rm_url, rl_cfg.remote_rm_timeout, label_key=data_cfg.label_key
+                                     or "label"))
+    if data_cfg.label_key:
+        return checked(exact_match(data_cfg.label_key))
+    if is_demo:
+        return checked(exact_match_reward)
+    raise DataError("no reward: give --reward_fn path.py:function, --remote_rm_url URL, or --label_key COLUMN "
+                    "(exact match of the completion to that column)")
+
+
+def rl_settings(rollout_cfg, rl_cfg, train_cfg) -> RLSettings:
+    low, high = rl_cfg.eps_clip_low_high or [rl_cfg.eps_clip, rl_cfg.eps_clip]
+    policy = PolicyLossParams(eps_low=low, eps_high=high, kl_coef=rl_cfg.init_kl_coef if rl_cfg.use_kl_loss else 0.0,
+                              kl_estimator=rl_cfg.kl_estimator, tis_cap=rl_cfg.vllm_is_correction_cap)
+    return RLSettings(rollout_cfg.n_samples_per_prompt, rl_cfg.advantage_estimator, rl_cfg.loss_agg_mode,
+                      rollout_cfg.generate_max_len, policy, rl_cfg.init_kl_coef, rl_cfg.use_kl_loss, rl_cfg.gamma,
+                      updates_per_rollout(rollout_cfg, train_cfg))
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # not installed, or installed but broken (torchvision::nms): the HF path still works
+        return False
+    return True
+
+
+def resolved_backend(rollout_cfg) -> str:
+    """--rollout_backend, with auto -> vllm when it imports, else hf."""
+    if rollout_cfg.rollout_backend != "auto":
+        return rollout_cfg.rollout_backend
+    return "vllm" if vllm_available() else "hf"
+
+
+def plan_rl(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, world_size: int, demo_model=None) -> list:
+    """The driver's check before any actor starts: the prompts load and make a rollout batch. Ranks plan alone
+    (every rank holds every prompt: they are small)."""
+    tokenizer = load_tokenizer(model_cfg.pretrain or str(demo_model))
+    prompts = load_prompts(data_cfg, tokenizer, train_cfg.seed, prompt_datasets(data_cfg, out_cfg, True))
+    rollout_schedule(len(prompts), rollout_cfg.rollout_batch_size, rollout_cfg.num_episodes, train_cfg.seed,
+                     train_cfg.max_steps)
+    return [None] * world_size
+
+
+def prompt_datasets(data_cfg, out_cfg, is_main: bool) -> list[str]:
+    from pathlib import Path
+
+    return data_cfg.prompt_data or demo.write_prompt_data(Path(out_cfg.save_path), is_main)
+
+
+@dataclass
+class Generator:
+    """Where completions come from: vLLM engines (rank 0 asks them all) or the policy itself (HF, each rank its
+    share).
+
+    HF generation runs in chunks of ``--micro_rollout_batch_size`` prompts, each chunk seeded by its prompts'
+    seeds, and a rank's share is whole chunks: a chunk samples the same completions on whichever rank runs it,
+    so 1 rank and 2 ranks draw the same rollouts (the world-size test relies on it).
+    """
+
+    backend: str
+    engines: object  # EngineGroup (vLLM) or HFEngine
+    sampling: SamplingConfig
+    seed: int
+    chunk: int  # prompts per HF generate call
+
+    def rollouts(self, prompts: list[Prompt], step: int, dist) -> Rollouts:
+        """The completions of ``prompts`` (rollout batch ``step``), on every rank."""
+        seeds = [request_seed(self.seed, step, i) for i in range(len(prompts))]
+        tokens = [p.tokens for p in prompts]
+        on_all = self.backend == "hf"
+        if on_all:
+            chunks = [(lo, min(lo + self.chunk, len(prompts))) for lo in range(0, len(prompts), self.chunk)]
+            first, last = _share(len(chunks), dist.rank, dist.world_size)
+            spans = chunks[first:last]
+        else:
+            spans = [(0, len(prompts))] if dist.is_main else []
+        local = Rollouts([], [], [], [])
+        for lo, hi in spans:
+            for prompt, completions in zip(tokens[lo:hi], self.engines.generate(tokens[lo:hi], self.sampling,
+                                                                                seeds[lo:hi])):
+                for c in completions:
+                    local.prompt_tokens.append(list(prompt))
+                    local.completion_tokens.append(list(c.tokens))
+                    local.behaviour.append(list(c.logprobs))
+                    local.finished.append(bool(c.finished))
+        return shared_rollouts(local, dist, on_all)
+
+
+def _share(count: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous [lo, hi) share of ``count`` items (so gathering in rank order keeps the order)."""
+    return count * rank // world, count * (rank + 1) // world
+
+
+def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tokenizer, seed: int, dist,
+                   engine_group=None) -> Generator:
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    sampling = SamplingConfig(rollout_cfg.n_samples_per_prompt, rollout_cfg.temperature, rollout_cfg.top_p,
+                              rollout_cfg.generate_max_len, stop)
+    if backend == "hf":
+        from openpack.rollout.hf_engine import HFEngine
+
+        engines = HFEngine(policy_model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    elif engine_group is not None:
+        engines = engine_group
+    elif dist.is_main:  # no driver (one process, torchrun): rank 0 runs the engines in its own process
+        from openpack.rollout.engines import EngineGroup
+        from openpack.rollout.vllm_engine import VLLMEngine
+
+        engines = EngineGroup([VLLMEngine(model_path, seed=seed, **vllm_options(rollout_cfg))
+                               for _ in range(rollout_cfg.vllm_num_engines)], remote=False)
+    else:
+        engines = None
+    return Generator(backend, engines, sampling, seed, rollout_cfg.micro_rollout_batch_size)
+
+
+def vllm_options(rollout_cfg) -> dict:
+    return {"tensor_parallel_size": rollout_cfg.vllm_tensor_parallel_size,
+            "gpu_memory_utilization": rollout_cfg.vllm_gpu_memory_utilization}
+
+
+def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_model=None, save_config=None,
+            engine_group=None, plan=None) -> int:
+    """One rank's RL run; ``engine_group``: the driver's vLLM engine actors (Ray), else engines are made here."""
+    dist = start_worker(model_cfg, train_cfg.seed)
+    pretrain = model_cfg.pretrain or str(demo_model)
+    tokenizer = load_tokenizer(pretrain)
+    model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing).to(dist.device)
+    datasets = prompt_datasets(data_cfg, out_cfg, dist.is_main)
+    from openpack.distributed.process import barrier
+
+    barrier()  # rank 0 wrote the demo prompts
+    prompts = load_prompts(data_cfg, tokenizer, train_cfg.seed, datasets)
+    schedule = rollout_schedule(len(prompts), rollout_cfg.rollout_batch_size, rollout_cfg.num_episodes,
+                                train_cfg.seed, train_cfg.max_steps)
+    settings = rl_settings(rollout_cfg, rl_cfg, train_cfg)
+    rank_plan = RankPlan([_planned(i, ids, train_cfg.seed, rollout_cfg) for i, ids in enumerate(schedule)], [],
+                         "", datasets)
+    run = TrainingRun(model, tokenizer, rank_plan, model_cfg, train_cfg, out_cfg, dist, save_config,
+                      optimizer_steps=len(schedule) * settings.updates_per_rollout)
+    scorers = {}
+    if settings.needs_old_pass:
+        scorers["old"] = run.engine
+    if settings.needs_reference:
+        flag = "--ref_pretrain" if rl_cfg.ref_pretrain else "--pretrain"
+        ref_model = load_causal_lm(rl_cfg.ref_pretrain or pretrain, model_cfg.bf16, flag=flag).to(dist.device)
+        scorers["ref"] = reference.reference_engine(ref_model, model_cfg.zero_stage, False, model_cfg.bf16)
+    backend = resolved_backend(rollout_cfg)
+    if dist.is_main:
+        logger.info("rollouts: %s%s", backend, " (auto: vLLM imports)" if rollout_cfg.rollout_backend == "auto"
+                    and backend == "vllm" else " (auto: vLLM is not installed)" if rollout_cfg.rollout_backend
+                    == "auto" else "")
+    generator = make_generator(backend, rollout_cfg, pretrain, run.engine.module.model, tokenizer, train_cfg.seed,
+                               dist, engine_group)
+    sync = _weight_sync(backend, rollout_cfg, generator, dist)
+    reward = reward_source(rl_cfg, data_cfg, demo_model is not None and not data_cfg.prompt_data)
+    if sync is not None and run.position.global_step:  # resumed: the engines still hold the starting weights
+        _push(sync, run.engine, model_cfg.zero_stage, dist)
+    step = functools.partial(_rl_step, run, generator, sync, reward, scorers, settings, prompts, schedule,
+                             model_cfg, train_cfg, tokenizer, dist)
+    with run.tracker:
+        if demo_model is not None:
+            _report_demo(run, "before")
+        run.train(step)
+        if demo_model is not None:
+            _report_demo(run, "after")
+    return 0
+
+
+def _planned(index: int, prompt_ids: list[int], seed: int, rollout_cfg) -> RankStep:
+    """A rollout batch as a planned step of ``TrainingRun``: only its place and digest matter there."""
+    key = f"{seed}/{rollout_cfg.n_samples_per_prompt}/{prompt_ids}"
+    return RankStep(0, index, [], len(prompt_ids) * rollout_cfg.n_samples_per_prompt, 0, (0,), 0, None,
+                    hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def _weight_sync(backend: str, rollout_cfg, generator: Generator, dist):
+    if backend != "vllm":
+        return None  # HF generation samples from the policy itself
+    from openpack.rollout.weight_sync import make_weight_sync
+
+    return make_weight_sync(rollout_cfg.vllm_sync_backend, generator.engines)
+
+
+def _push(sync, engine, zero_stage: int, dist) -> float:
+    from openpack.rollout.weight_sync import policy_weights
+
+    start = time.perf_counter()
+    sync.push(policy_weights(engine.module, zero_stage), dist.is_main)
+    return time.perf_counter() - start
+
+
+def _rl_step(run: TrainingRun, generator: Generator, sync, reward, scorers, settings: RLSettings,
+             prompts: list[Prompt], schedule: list[list[int]], model_cfg, train_cfg, tokenizer, dist,
+             planned: RankStep) -> dict:
+    start = time.perf_counter()
+    step = planned.index
+    batch_prompts = [prompts[i] for i in schedule[step]]
+    run.engine.eval()
+    with _gathered(run.engine, model_cfg.zero_stage, generator.backend == "hf"):
+        rollouts = generator.rollouts(batch_prompts, step, dist)
+    generation_s = time.perf_counter() - start
+    n = settings.n_samples_per_prompt
+    texts = ([p.text for p in batch_prompts for _ in range(n)],
+             tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),
+             [p.row for p in batch_prompts for _ in range(n)])
+    reward_start = time.perf_counter()
+    rollouts.rewards = shared_rewards(reward, texts, dist, f"rollout batch {step + 1}")
+    reward_s = time.perf_counter() - reward_start
+    metrics, timings = train_on(rollouts, run.engine, scorers, settings, train_cfg, dist,
+                                tokenizer.pad_token_id or 0, train_cfg.seed + step)
+    sync_s = _push(sync, run.engine, model_cfg.zero_stage, dist) if sync is not None else 0.0
+    return {**rollout_metrics(rollouts, generation_s, settings.generate_max_len), **metrics, **timings,
+            "time/reward": reward_s, "time/weight_sync": sync_s, "lr": run.engine.get_lr()[0],
+            "step_time_s": time.perf_counter() - start}
+
+
+def _gathered(engine, zero_stage: int, needed: bool):
+    """HF generation under ZeRO-3 needs the whole policy on every rank while it generates."""
+    import contextlib
+
+    if not needed or zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()))
+
+
+def _report_demo(run: TrainingRun, when: str) -> None:
+    """Held-out exact match of the demo (greedy, every held-out problem): the share of bare right answers."""
+    model = run.engine.module.model
+    rates = demo.accuracy(model, run.tokenizer)
+    run.tracker.message(f"held-out {when} training: exact match {rates['eval_bare_answer']:.1%} "
+                        f"({demo.describe(rates)})")
+    run.tracker.log(run.position.global_step, {"eval_exact_match": rates["eval_bare_answer"],
+                                               "eval_right_answer": rates["eval_exact_match"]})
