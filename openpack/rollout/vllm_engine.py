@@ -3,7 +3,9 @@
 A plain class, used in-process (tests, one-machine runs) or as a Ray actor (``vllm_engine_actor_class``).
 Prompts are token ids and the tokenizer is never loaded (``skip_tokenizer_init``): the trainer tokenizes,
 so the engine cannot disagree with it about special tokens, and a tokenizer vLLM cannot read is no problem.
-The cost: stops come only from ``SamplingConfig.stop_token_ids`` (put eos there) and no text is returned.
+The cost: no text is returned. Stops come only from ``SamplingConfig.stop_token_ids`` (put eos there):
+``ignore_eos`` keeps vLLM from also stopping on the eos ids of the model's generation config, which HFEngine
+would not know about.
 
 Log-probs are vLLM's ``logprobs_mode="raw_logprobs"`` (set explicitly; it is also 0.32's default): the
 log-softmax of the raw logits, before temperature and top-p, which is what the trainer computes.
@@ -71,17 +73,20 @@ class VLLMEngine:
         finally:
             torch.set_num_threads = set_num_threads
         self._vllm = vllm
+        self.tensor_parallel_size = tensor_parallel_size
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
         """``sampling.n`` completions of each prompt; ``result[i][j]`` is prompt i's j-th completion.
 
-        ``seeds[i]`` seeds request i (all its n samples), so the same prompts and seeds give the same tokens.
+        ``seeds[i]`` seeds request i: its sample j draws with seed ``seeds[i] * n + j``, so the same prompt and
+        seed give the same tokens whatever else is in the batch, and distinct seeds never share a sample's seed.
         """
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
         if not prompts:
             return []
-        params = [self._sampling_params(sampling, seed) for seed in seeds]
+        # vLLM seeds sample j of a request with seed + j; scaling by n keeps every sample's seed distinct.
+        params = [self._sampling_params(sampling, seed * sampling.n) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [[_completion(sample) for sample in output.outputs] for output in outputs]
 
@@ -92,6 +97,7 @@ class VLLMEngine:
             top_p=sampling.top_p,
             max_tokens=sampling.max_tokens,
             stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=True,  # stop on stop_token_ids only, not also on the model's generation-config eos ids
             seed=seed,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
@@ -114,6 +120,10 @@ class VLLMEngine:
         """Load HF-named tensors in place (whole layers; see ``worker_extension``) and drop stale cached KV."""
         self.llm.collective_rpc("openpack_load_weights", args=(list(named_tensors),))
         self.llm.reset_prefix_cache()  # prefix KV computed with the old weights must not be reused
+
+    def num_workers(self) -> int:
+        """vLLM workers in this engine (one per tensor-parallel rank), each a member of NcclSync's group."""
+        return self.tensor_parallel_size
 
     def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join NcclSync's group: this engine's workers take ranks ``rank_offset ..`` (GPU only)."""

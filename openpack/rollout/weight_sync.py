@@ -23,12 +23,14 @@ Transports:
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import torch
 
+from openpack.distributed.process import free_port
 from openpack.rollout.engines import DEFAULT_BUCKET_BYTES, EngineGroup
 
 WRAPPER_PREFIX = "model."  # PackedCausalLM keeps the HF model as .model
@@ -138,13 +140,16 @@ class InHostSync:
         return time.perf_counter() - start
 
 
-def nccl_rank_offsets(num_engines: int, tensor_parallel_size: int) -> tuple[list[int], int]:
+def nccl_rank_offsets(workers_per_engine: list[int]) -> tuple[list[int], int]:
     """Each engine's first rank in the sync group, and the group's size: rank 0 is the trainer.
 
-    nccl_rank_offsets(2, 2) == ([1, 3], 5): engine 0's workers are ranks 1-2, engine 1's are 3-4.
+    nccl_rank_offsets([2, 2]) == ([1, 3], 5): engine 0's workers are ranks 1-2, engine 1's are 3-4.
     """
-    offsets = [1 + i * tensor_parallel_size for i in range(num_engines)]
-    return offsets, 1 + num_engines * tensor_parallel_size
+    offsets, next_rank = [], 1
+    for workers in workers_per_engine:
+        offsets.append(next_rank)
+        next_rank += workers
+    return offsets, next_rank
 
 
 def bucket_metadata(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int]]]:
@@ -155,14 +160,13 @@ def bucket_metadata(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, s
 class NcclSync:
     """NCCL broadcast from rank 0 into every engine worker (multi-node GPUs). Not yet run on GPUs.
 
-    ``connect()`` on rank 0 once, after the engines exist; ``host``/``port`` are rank 0's address and a free
-    port the engines can reach.
+    Rank 0 forms the group on its first ``push`` (or ``connect()``); ``host``/``port`` are rank 0's address and
+    a port the engines can reach, by default this host's address and a free port.
     """
 
-    def __init__(self, engines: EngineGroup, tensor_parallel_size: int, host: str, port: int,
+    def __init__(self, engines: EngineGroup, host: str | None = None, port: int | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.engines = engines
-        self.tensor_parallel_size = tensor_parallel_size
         self.host, self.port = host, port
         self.bucket_bytes = bucket_bytes
         self._comm = None
@@ -175,12 +179,14 @@ class NcclSync:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        offsets, world_size = nccl_rank_offsets(self.engines.num_engines, self.tensor_parallel_size)
+        host = self.host or socket.gethostbyname(socket.gethostname())
+        port = self.port or free_port()
+        offsets, world_size = nccl_rank_offsets(self.engines.broadcast_call("num_workers"))
         refs = [
-            engine.init_weight_group.remote(self.host, self.port, offset, world_size)
+            engine.init_weight_group.remote(host, port, offset, world_size)
             for engine, offset in zip(self.engines.engines, offsets)
         ]
-        group = StatelessProcessGroup.create(host=self.host, port=self.port, rank=0, world_size=world_size)
+        group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size)
         self._comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
         self.engines.wait(refs)
 
@@ -212,13 +218,11 @@ def require_cuda_for_nccl() -> None:
 
 
 def make_weight_sync(backend: str, engines: EngineGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     tensor_parallel_size: int = 1, host: str | None = None, port: int | None = None):
-    """The WeightSync for ``--vllm_sync_backend``: 'inhost' or 'nccl' (which needs ``host`` and ``port``)."""
+                     host: str | None = None, port: int | None = None):
+    """The WeightSync for ``--vllm_sync_backend``: 'inhost' or 'nccl' (``host``/``port``: see NcclSync)."""
     if backend == "inhost":
         return InHostSync(engines, bucket_bytes)
     if backend == "nccl":
         require_cuda_for_nccl()
-        if host is None or port is None:
-            raise ValueError("--vllm_sync_backend nccl: pass rank 0's host and a free port for the sync group")
-        return NcclSync(engines, tensor_parallel_size, host, port, bucket_bytes)
+        return NcclSync(engines, host, port, bucket_bytes)
     raise ValueError(f"--vllm_sync_backend must be one of {SYNC_BACKENDS}, got {backend!r}")

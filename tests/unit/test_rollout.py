@@ -138,8 +138,8 @@ def test_nccl_sync_refuses_on_cpu_naming_the_inhost_backend():
 
 
 def test_nccl_group_layout_and_bucket_metadata():
-    assert nccl_rank_offsets(2, 2) == ([1, 3], 5)
-    assert nccl_rank_offsets(1, 1) == ([1], 2)
+    assert nccl_rank_offsets([2, 2]) == ([1, 3], 5)
+    assert nccl_rank_offsets([1]) == ([1], 2)
     bucket = [("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b.bias", torch.zeros(4))]
     assert bucket_metadata(bucket) == [("a.weight", "bfloat16", [2, 3]), ("b.bias", "float32", [4])]
 
