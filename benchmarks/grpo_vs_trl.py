@@ -1,0 +1,448 @@
+"""GRPO on CPU: openpack train_grpo (HF rollouts, packed experience) vs TRL 1.16's GRPOTrainer (transformers generate).
+
+    python benchmarks/grpo_vs_trl.py [--repeats 3] [--steps 4] [--models demo,random] [--markdown docs/benchmarks.md]
+    python benchmarks/grpo_vs_trl.py --smoke --out /tmp/x     # seconds-long check of the harness (CI)
+
+One GRPO step is: sample ``n`` completions for each of ``prompts_per_step``
+prompts, score them (exact match against the row's answer), turn the rewards
+into group-normalised advantages, and take one optimizer step over all
+``prompts_per_step x n`` completions. Both frameworks do that on the same
+saved model, the same prompts, ``n``, max completion length, temperature 1.0,
+lr, beta 0 (no KL term, so no reference model on either side) and
+completions per optimizer step. Each run is a fresh subprocess; runs
+alternate openpack, TRL, openpack, TRL... and both use one torch thread (on 2
+cores shared with other work, two intra-op threads measure the neighbours'
+stalls, not the frameworks: see rm_vs_trl.py).
+
+Two models, because one alone would mislead:
+
+* ``demo``: the built-in SFT demo model (3 layers, width 128, 0.46M
+  parameters, 46-token vocab; ``openpack train_sft`` writes it in ~40 s) on
+  the demo task's prompts. This is the model the RL demo starts from, but it
+  answers in 3 or 9 tokens (``53<eos>``, ``it is 53<eos>``), so a step's
+  training work is tiny and the numbers are mostly each framework's fixed
+  cost per step: generation calls, Python, collation, the optimizer.
+* ``random``: a random-init Llama (6 layers, width 384, MLP 1024, the same
+  46-token vocab, ~9.8M parameters) on the same prompts. Its logits are
+  near uniform, so it emits eos at about 1 token in 46 and completions spread
+  over the whole 1..max range (about half reach the cap): the length mix
+  that makes padding and packing differ, and enough matmul work per token
+  that generation and training are measured rather than overhead. The reward
+  is then (almost) always 0, so advantages are 0, but both frameworks still
+  run the full forward, backward and AdamW update (neither skips a step or
+  a zero-advantage group here).
+
+What is timed, per optimizer step, from each framework's own clocks, over the
+steps after the first (warm-up):
+
+* generation: sampling the completions (openpack's ``time/generation``;
+  TRL's ``_generate_single_turn``, which wraps ``model.generate``);
+* experience: rewards, log-probs needed before the update, advantages
+  (openpack's ``time/experience``; TRL's ``_generate_and_score_completions``
+  minus its generation);
+* training: forward, backward and optimizer step over the step's completions
+  (openpack's ``time/training``; TRL's step time minus
+  ``_generate_and_score_completions``);
+* the whole step, training tokens/s (prompt + completion tokens that the
+  policy update ran over, padding excluded, per second of training) and the
+  process's peak RSS.
+
+Ratios are openpack / TRL per repeat pair, reported as median (min-max).
+Completions are sampled, so the two arms' steps hold different completions
+of different lengths; the tables give each arm's mean completion length so
+the reader can see the work was alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+from harness import ModelSpec
+
+ARMS = ("openpack", "TRL")
+SECTION = "grpo_vs_trl"
+TRL_MICRO_BATCH = 8  # TRL's default per_device_train_batch_size (checked in the worker)
+DEMO_VOCAB = 46  # the demo tokenizer's size: a random model samples only ids it can decode
+RANDOM_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                         max_position_embeddings=256)
+SMOKE_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        max_position_embeddings=64)
+PHASES = ("generation_s", "experience_s", "training_s", "step_time_s")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="demo,random",
+                        help="comma-separated: demo (the SFT demo model), random (a random-init 9.8M Llama)")
+    parser.add_argument("--prompts_per_step", type=int, default=16, help="prompts per rollout and optimizer step")
+    parser.add_argument("--n", type=int, default=8, help="completions per prompt (GRPO's group size)")
+    parser.add_argument("--max_completion", type=int, default=32, help="max new tokens per completion")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run; the first is warm-up")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each arm per model, interleaved")
+    parser.add_argument("--learning_rate", type=float, default=1e-6, help="constant lr (TRL's GRPO default)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (see docstring)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="work folder to keep (models, data, logs, results.json); default: a temporary one")
+    parser.add_argument("--markdown", default=None,
+                        help=f"file whose {SECTION} section to regenerate (default docs/benchmarks.md; none: skip)")
+    parser.add_argument("--chart", type=Path, default=None,
+                        help=f"PNG chart (default: img/{SECTION}.png beside --markdown)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny random model, 4 prompts x 4, 8 tokens, 2 steps, 1 repeat; docs only to a "
+                             "--markdown file")
+    parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.command = reproduce_command(argv)
+    if args.smoke:
+        args.models, args.prompts_per_step, args.n, args.max_completion = "random", 4, 4, 8
+        args.steps, args.repeats = 2, 1
+    args.models = args.models.split(",")
+    if set(args.models) - {"demo", "random"}:
+        parser.error(f"--models: unknown {sorted(set(args.models) - {'demo', 'random'})}; choose demo, random")
+    args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, SECTION, args.smoke)
+    if (args.prompts_per_step * args.n) % TRL_MICRO_BATCH:
+        parser.error(f"prompts_per_step x n must be a multiple of TRL's micro-batch of {TRL_MICRO_BATCH}")
+    return args
+
+
+def reproduce_command(argv: list[str]) -> str:
+    """The command line as given, less ``--out DIR`` (a local work folder), for the docs."""
+    words = [w for i, w in enumerate(argv) if w != "--out" and (i == 0 or argv[i - 1] != "--out")]
+    return " ".join(["python benchmarks/grpo_vs_trl.py", *words])
+
+
+# ---------------------------------------------------------------- TRL, in its own process
+
+
+def describe_micro_batch(inputs, _num_items_in_batch) -> dict:
+    """Real tokens, computed slots and completions of one TRL micro-batch (left-padded prompts, right-padded
+    completions, one row each)."""
+    prompt, completion = inputs["prompt_mask"], inputs["completion_mask"]
+    return {"tokens": int(prompt.sum() + completion.sum()), "slots": prompt.numel() + completion.numel(),
+            "completion_tokens": int(completion.sum()), "completions": completion.shape[0]}
+
+
+def exact_match_recorded(means: list):
+    """openpack's built-in rule (completion stripped == the answer) as a TRL reward function; each call's
+    mean reward is appended to ``means``."""
+    from openpack.trainers.rewards import exact_match_reward
+
+    def exact_match(prompts, completions, response, **_columns) -> list[float]:
+        rewards = exact_match_reward(prompts, completions, [{"response": r} for r in response])
+        means.append(statistics.fmean(rewards))
+        return rewards
+
+    return exact_match
+
+
+def time_calls(obj, name: str, into: list) -> None:
+    """Wrap ``obj.name`` so every call appends its wall time to ``into``."""
+    original = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    setattr(obj, name, timed)
+
+
+def trl_worker(spec_path: Path) -> int:
+    """Train with TRL's GRPOTrainer as the spec says; write per-step records to <out>/steps.json."""
+    spec = json.loads(spec_path.read_text())
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    completions = spec["prompts_per_step"] * spec["n"]
+    args = GRPOConfig(
+        output_dir=spec["out"], use_cpu=True, bf16=False, report_to=[], disable_tqdm=True, save_strategy="no",
+        max_steps=spec["steps"], learning_rate=spec["learning_rate"], lr_scheduler_type="constant",
+        gradient_checkpointing=False, beta=0.0, num_generations=spec["n"],
+        max_completion_length=spec["max_completion"], temperature=1.0,
+        gradient_accumulation_steps=completions // TRL_MICRO_BATCH, shuffle_dataset=False, seed=spec["seed"],
+        logging_steps=spec["steps"], loss_type=spec["loss_type"],
+    )
+    # one generate call of all the step's completions, used once (no reuse, so no old-log-prob forward)
+    assert args.per_device_train_batch_size == TRL_MICRO_BATCH and args.generation_batch_size == completions
+    assert args.num_iterations == 1 and not args.use_vllm and args.top_k == 0 and args.top_p == 1.0
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    generation, scoring, rewards = [], [], []
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=exact_match_recorded(rewards), args=args,
+                          train_dataset=Dataset.from_list(harness.read_jsonl(spec["dataset"])),
+                          processing_class=tokenizer)
+    time_calls(trainer, "_generate_single_turn", generation)
+    time_calls(trainer, "_generate_and_score_completions", scoring)
+    steps = harness.record_trl_steps(trainer, describe_micro_batch)
+    trainer.train()
+    if not (len(steps) == len(generation) == len(scoring) == len(rewards) == spec["steps"]):
+        raise RuntimeError(f"expected one generation per step: {len(steps)} steps, {len(generation)} generate "
+                           f"calls, {len(scoring)} scoring calls")
+    records = []
+    for step, gen_s, score_s, reward in zip(steps, generation, scoring, rewards):
+        micro = step["micro_batches"]
+        records.append({
+            "loss": sum(m["loss"] for m in micro), "reward": reward,  # each normalised by the step's tokens
+            "tokens": sum(m["tokens"] for m in micro), "slots": sum(m["slots"] for m in micro),
+            "completion_mean": sum(m["completion_tokens"] for m in micro) / sum(m["completions"] for m in micro),
+            "micro_batches": len(micro),
+            "generation_s": gen_s, "experience_s": score_s - gen_s,
+            "training_s": step["step_time_s"] - score_s, "step_time_s": step["step_time_s"],
+        })
+    (Path(spec["out"]) / "steps.json").write_text(json.dumps({"steps": records}))
+    return 0
+
+
+# ---------------------------------------------------------------- the parent: models, data, runs
+
+
+def prepare(args, work: Path) -> dict:
+    """The models to compare and the prompts (the demo task's training split, prompt + answer)."""
+    from openpack.data.demo_task import demo_samples
+
+    models = {}
+    if "demo" in args.models:
+        models["demo"] = demo_model(work / "sft_demo")
+    if "random" in args.models:
+        spec = SMOKE_MODEL if args.smoke else RANDOM_MODEL
+        (models["random"],) = harness.save_models(work / "random", spec, seeds=[args.seed])
+    rows = demo_samples("train", args.prompts_per_step * args.steps, args.seed)
+    return {"work": work, "models": models, "data": harness.write_jsonl(work / "prompts.jsonl", rows)}
+
+
+def demo_model(save_path: Path) -> Path:
+    """The SFT demo model, trained by ``openpack train_sft`` (its built-in demo, seed 42) into the work folder."""
+    model = save_path / "model"
+    if not (model / "config.json").exists():
+        print(f"training the SFT demo model into {save_path} (about 40 s)", flush=True)
+        cmd = ["-m", "openpack.cli.main", "train_sft", "--launcher", "local", "--save_path", str(save_path)]
+        measured = harness.run_measured(cmd, save_path.with_suffix(".log"), harness.subprocess_env(2))
+        harness.check_run(measured, "openpack train_sft (the demo model)")
+    return model
+
+
+def model_description(name: str, args) -> str:
+    if name == "demo":
+        return ("the SFT demo model (`openpack train_sft`, seed 42: Llama, 3 layers, width 128, MLP 256, 46-token "
+                "vocab, 0.46M parameters; answers `53<eos>` or `it is 53<eos>`)")
+    spec = SMOKE_MODEL if args.smoke else RANDOM_MODEL
+    return (f"a random-init Llama ({spec.num_hidden_layers} layers, width {spec.hidden_size}, MLP "
+            f"{spec.intermediate_size}, 4 query / 2 KV heads, the demo tokenizer's 46-token vocab, "
+            f"{random_model_parameters(spec) / 1e6:.1f}M parameters)")
+
+
+def random_model_parameters(spec: ModelSpec) -> int:
+    h = spec.hidden_size
+    return 2 * spec.vocab_size * h + spec.num_hidden_layers * (spec._layer_params() + 2 * h) + h
+
+
+def openpack_command(args, setup: dict, model: str, save_path: Path) -> list[str]:
+    return [
+        "-m", "openpack.cli.main", "train_grpo", "--launcher", "local",
+        "--pretrain", str(setup["models"][model]), "--prompt_data", str(setup["data"]),
+        "--input_key", "prompt", "--label_key", "response",
+        "--rollout_batch_size", str(args.prompts_per_step), "--n_samples_per_prompt", str(args.n),
+        "--generate_max_len", str(args.max_completion), "--prompt_max_len", "16",
+        "--train_batch_size", str(args.prompts_per_step * args.n), "--micro_train_batch_size", "1",
+        "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", str(OPENPACK_MAX_TOKENS),
+        "--rollout_backend", "hf", "--micro_rollout_batch_size", str(args.prompts_per_step), "--num_episodes", "1", "--max_samples", str(args.prompts_per_step * args.steps),
+        "--temperature", "1.0", "--learning_rate", str(args.learning_rate), "--lr_scheduler", "constant",
+        "--adam_betas", "0.9", "0.999", "--max_norm", "1.0", "--init_kl_coef", "0", "--loss_agg_mode", "token_mean",
+        "--seed", str(args.seed), "--logging_steps", "1", "--save_path", str(save_path),
+    ]
+
+
+OPENPACK_MAX_TOKENS = 16384  # openpack's default: a step's 128 completions of <= 38 tokens fit one packed row
+
+
+def run_openpack(args, setup: dict, model: str, run_dir: Path, env: dict) -> dict:
+    measured = harness.run_measured(openpack_command(args, setup, model, run_dir), run_dir.with_suffix(".log"), env)
+    harness.check_run(measured, "openpack train_grpo")
+    steps = [openpack_step(s) for s in harness.read_jsonl(run_dir / "metrics.jsonl") if "time/training" in s]
+    return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
+
+
+def openpack_step(metrics: dict) -> dict:
+    """One line of openpack's metrics.jsonl in the TRL worker's record format."""
+    training = metrics["time/training"]
+    return {"loss": metrics["policy_loss"], "reward": metrics["reward"],
+            "tokens": round(metrics["training_tokens_per_s"] * training),  # real prompt + completion tokens
+            "completion_mean": metrics["response_length/mean"],
+            "generation_s": metrics["time/generation"], "experience_s": metrics["time/experience"],
+            "training_s": training, "step_time_s": metrics["step_time_s"]}
+
+
+def run_trl(args, setup: dict, model: str, run_dir: Path, env: dict) -> dict:
+    run_dir.mkdir(parents=True)
+    spec = {"model": str(setup["models"][model]), "dataset": str(setup["data"]), "out": str(run_dir),
+            "prompts_per_step": args.prompts_per_step, "n": args.n, "max_completion": args.max_completion,
+            "steps": args.steps, "learning_rate": args.learning_rate, "seed": args.seed, "loss_type": "dapo"}
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    measured = harness.run_measured([__file__, "--trl_worker", str(spec_path)], run_dir.with_suffix(".log"), env)
+    harness.check_run(measured, "TRL GRPOTrainer worker")
+    result = json.loads((run_dir / "steps.json").read_text())
+    return {**result, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
+
+
+def run_all(args, setup: dict, work: Path) -> dict[str, list[dict]]:
+    """``{model: runs}``, every model's arms interleaved over its repeats."""
+    # offline: TRL's trainer would otherwise try to send telemetry (this machine has no network)
+    env = {**harness.subprocess_env(args.threads), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    runs = {}
+    for model in setup["models"]:
+        print(f"model {model}: {model_description(model, args)}", flush=True)
+        runs[model] = harness.run_interleaved({
+            "openpack": lambda repeat, m=model: run_openpack(args, setup, m, work / f"{m}_openpack_{repeat}", env),
+            "TRL": lambda repeat, m=model: run_trl(args, setup, m, work / f"{m}_trl_{repeat}", env),
+        }, args.repeats)
+    return runs
+
+
+# ---------------------------------------------------------------- summary
+
+
+def per_run(run: dict) -> dict:
+    """Means over the measured steps (all but the first) of one run."""
+    measured = run["steps"][1:] if len(run["steps"]) > 1 else run["steps"]
+    result = {phase: statistics.fmean(s[phase] for s in measured) for phase in PHASES}
+    result["training_tokens_per_s"] = sum(s["tokens"] for s in measured) / sum(s["training_s"] for s in measured)
+    result["tokens_per_step"] = statistics.fmean(s["tokens"] for s in measured)
+    result["reward"] = statistics.fmean(s["reward"] for s in measured)
+    result["completion_mean"] = statistics.fmean(s["completion_mean"] for s in measured)
+    result["peak_rss_mb"] = run["peak_rss_mb"]
+    return result
+
+
+RATIO_KEYS = PHASES + ("training_tokens_per_s", "peak_rss_mb")
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per arm, every key's values over repeats; per key, openpack / TRL per repeat pair."""
+    stats = {arm: [per_run(r) for r in runs if r["arm"] == arm] for arm in ARMS}
+    values = {key: {arm: [s[key] for s in stats[arm]] for arm in ARMS} for key in (*RATIO_KEYS, "tokens_per_step",
+                                                                                    "completion_mean", "reward")}
+    ratios = {key: [o[key] / t[key] for o, t in zip(stats["openpack"], stats["TRL"])] for key in RATIO_KEYS}
+    trl = [s for r in runs if r["arm"] == "TRL" for s in r["steps"][1:]]
+    padded = sum(s["slots"] for s in trl) / sum(s["tokens"] for s in trl) if trl else float("nan")
+    return {"values": values, "ratios": ratios, "trl_computed_per_real": padded}
+
+
+LABELS = {"step_time_s": "s / step", "generation_s": "generation s", "experience_s": "experience s",
+          "training_s": "training s", "training_tokens_per_s": "training tokens/s", "peak_rss_mb": "peak RSS (MiB)"}
+FORMATS = {"step_time_s": "{:.2f}", "generation_s": "{:.2f}", "experience_s": "{:.2f}", "training_s": "{:.2f}",
+           "training_tokens_per_s": "{:.0f}", "peak_rss_mb": "{:.0f}"}
+COLUMNS = ("step_time_s", "generation_s", "experience_s", "training_s", "training_tokens_per_s", "peak_rss_mb")
+
+
+def results_table(summaries: dict[str, dict]) -> str:
+    head = ["model", "framework", *(LABELS[k] for k in COLUMNS), "tokens / step", "completion length", "reward"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for model, s in summaries.items():
+        for arm in ARMS:
+            cells = [harness.fmt_spread(s["values"][k][arm], FORMATS[k]) for k in COLUMNS]
+            cells += [harness.fmt_spread(s["values"]["tokens_per_step"][arm]),
+                      harness.fmt_spread(s["values"]["completion_mean"][arm], "{:.1f}"),
+                      harness.fmt_spread(s["values"]["reward"][arm], "{:.2f}")]
+            lines.append(f"| {model} | {arm} | " + " | ".join(cells) + " |")
+        ratios = [harness.fmt_spread(s["ratios"][k], "{:.2f}x") for k in COLUMNS]
+        lines.append(f"| {model} | **openpack / TRL** | " + " | ".join(f"**{r}**" for r in ratios) + " | | | |")
+    return "\n".join(lines)
+
+
+def setup_text(args, setup: dict, summaries: dict) -> str:
+    models = "; ".join(f"`{m}`: {model_description(m, args)}" for m in setup["models"])
+    padded = ", ".join(f"{s['trl_computed_per_real']:.2f}x ({m})" for m, s in summaries.items())
+    return (
+        f"Models: {models}; fp32. Prompts: the demo task's training split (`demo_samples(\"train\", "
+        f"{args.prompts_per_step * args.steps}, seed={args.seed})`, e.g. `07+46=`, 6 tokens, no chat template, the "
+        f"format the SFT demo model was trained on). Both arms: {args.prompts_per_step} prompts x n={args.n} = "
+        f"{args.prompts_per_step * args.n} completions per rollout and per optimizer step (one update per rollout, "
+        f"so the importance ratio is 1), max {args.max_completion} new tokens, temperature 1.0, no top-k/top-p, "
+        f"beta 0 (no reference model), exact-match reward (completion without eos == the answer), "
+        f"group-normalised advantages, clip 0.2, lr {args.learning_rate:g} constant, AdamW (0.9, 0.999), clip-norm "
+        f"1.0, no gradient checkpointing, {args.threads} torch thread{'s' if args.threads != 1 else ''} per arm, "
+        f"{args.steps} steps per run of which the first is warm-up and not counted. openpack: `--rollout_backend hf` (transformers generate in "
+        f"the training process), `--packing_samples --use_dynamic_batch --max_tokens_per_gpu {OPENPACK_MAX_TOKENS}`"
+        f", `--launcher local`. TRL: `GRPOConfig(use_vllm=False, use_cpu=True, bf16=False, gradient_checkpointing="
+        f"False, beta=0.0, num_generations={args.n}, max_completion_length={args.max_completion}, "
+        f"per_device_train_batch_size={TRL_MICRO_BATCH}, gradient_accumulation_steps="
+        f"{args.prompts_per_step * args.n // TRL_MICRO_BATCH}, lr_scheduler_type=\"constant\", shuffle_dataset=False"
+        f", loss_type=\"dapo\")` (its default micro-batch of 8 and its default token-mean loss; one generate call of "
+        f"all {args.prompts_per_step * args.n} completions per step, as `steps_per_generation` defaults to the "
+        f"accumulation steps); TRL's padded micro-batches hold {padded} the real tokens."
+    )
+
+
+def markdown_section(args, setup: dict, summaries: dict, chart: Path | None, doc: Path, wall_s: float) -> str:
+    image = f"![GRPO step time split and memory]({os.path.relpath(chart, doc.parent)})\n\n" if chart else ""
+    cmd = harness.shell_command(openpack_command(args, setup, setup["models"] and next(iter(setup["models"])),
+                                                 setup["work"] / "RUN_DIR"))
+    cmd = cmd.replace(f"{setup['work']}/", "")
+    return f"""## GRPO: openpack vs TRL GRPOTrainer (`benchmarks/grpo_vs_trl.py`)
+
+```
+{args.command}
+```
+
+Machine: {harness.machine_description()}. The script took {wall_s:.0f} s. The machine was shared with other
+work; each framework ran {args.repeats}x per model, interleaved, and every cell is median (min-max) over repeats
+(ratios are taken per repeat pair).
+
+{setup_text(args, setup, summaries)} The openpack command (paths relative to the work folder):
+
+```
+{cmd}
+```
+
+{results_table(summaries)}
+
+{image}"""
+
+
+def charts(path: Path, summaries: dict) -> None:
+    """One panel of openpack / TRL ratios per measure, a bar per model (the models' seconds differ 30-fold, so
+    absolute bars on one axis would hide the small one)."""
+    panel = harness.Panel("openpack / TRL per repeat pair (times and memory: < 1 is openpack lower; tokens/s: > 1 "
+                          "is openpack faster)", "openpack / TRL", [LABELS[k] for k in COLUMNS],
+                          {model: [s["ratios"][k] for k in COLUMNS] for model, s in summaries.items()}, "%.2fx")
+    harness.save_bar_charts(path, [panel], "GRPO step on CPU: openpack vs TRL 1.16 GRPOTrainer")
+
+
+def main(argv=None) -> int:
+    return harness.run_in_work_folder(parse_args(argv), benchmark, trl_worker, "grpo_vs_trl_")
+
+
+def benchmark(args, work: Path) -> int:
+    """Run every arm in ``work``, print the tables, write results.json there and the docs section."""
+    started = time.perf_counter()
+    setup = prepare(args, work)
+    runs = run_all(args, setup, work)
+    summaries = {model: summarise(model_runs) for model, model_runs in runs.items()}
+    wall_s = time.perf_counter() - started
+    print(results_table(summaries))
+    print(f"total wall time {wall_s:.0f} s")
+    results = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "runs": runs, "summary": summaries, "wall_s": wall_s}
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    if args.markdown is not None:
+        charts(args.chart, summaries)
+        harness.write_section(args.markdown, SECTION, markdown_section(args, setup, summaries, args.chart,
+                                                                        args.markdown, wall_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
