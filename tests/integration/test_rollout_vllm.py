@@ -106,3 +106,14 @@ def test_seeded_samples_repeat_and_carry_raw_logprobs(setup):
     scored = engine.score(sequences)
     for seq, c, s in zip(sequences, samples, scored):
         assert max(abs(a - b) for a, b in zip(c.logprobs, s[-len(c.tokens):])) <= TOLERANCE
+
+
+def test_sleep_and_wake_up_are_harmless_on_cpu(setup):
+    """vLLM's CPU worker has no sleep mode: the engine never asks for it, and scores are unchanged after."""
+    _, engine = setup
+    before = engine.score(SEQUENCES[:2])
+    group = EngineGroup([engine], remote=False)
+    group.sleep()
+    group.wake_up()
+    assert max_abs_diff(engine.score(SEQUENCES[:2]), before) == 0.0
+    assert engine.generate([], SamplingConfig(), seeds=[]) == []
