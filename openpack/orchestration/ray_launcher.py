@@ -339,8 +339,8 @@ def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict],
                                                                                      else 0), stop, session)
         if engines:  # first: an engine loads its model while the ranks start
             kwargs = {**kwargs, "engine_group": _start_engines(session, engines, stop)}
-        cpus = num_cpus_per_worker or default_cpus_per_worker(num_gpus_per_node + (reference.num_gpus_per_node
-                                                                                  if reference else 0))
+        sharing = num_gpus_per_node + (reference.num_gpus_per_node if reference else 0)
+        cpus = num_cpus_per_worker or default_cpus_per_worker(sharing + (engines.num_engines if engines else 0))
         if reference:
             ref_actors, ref_nodes = session.start_group(_Reference, "reference", ref_world, cpus, stop)
             _get([a.setup.remote(env, reference.build, reference.args)

@@ -1,0 +1,147 @@
+"""openpack train_ppo / train_grpo end to end on CPU: the update is exact under packing, micro-batching and
+world size; vLLM's log-probs agree with the trainer's before and after every weight sync.
+
+Two rollout batches of 4 prompts x 4 completions, cut into optimizer steps of 8 completions, 2 PPO epochs
+(so 4 updates per batch: the old-policy pass, clipping and the optimizer state all matter), a KL penalty
+against a reference in the reward, a rule reward with spread inside each group. HF generation seeds each
+chunk of prompts by its prompts' seeds, so every layout and world size samples the same completions; then
+every token weight comes from the step's counts and every layout must give the same losses, grad norms and
+final weights to 1e-5 in fp32.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from openpack.cli import train_grpo, train_ppo
+from openpack.distributed.process import free_port
+
+from saved_runs import assert_same_run, read_metrics
+
+COMMON = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "8", "--max_epochs", "2",
+          "--generate_max_len", "8", "--prompt_max_len", "32", "--learning_rate", "1e-3", "--seed", "1",
+          "--max_norm", "100", "--adam_epsilon", "1e-6", "--max_steps", "2", "--init_kl_coef", "0.05",
+          "--rollout_backend", "hf", "--launcher", "local"]
+LAYOUTS = {
+    "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96"],
+    "padded_8x1": ["--micro_train_batch_size", "1"],
+    "padded_1x8": ["--micro_train_batch_size", "8"],
+}
+AGGREGATIONS = {  # each with the KL where its method puts it
+    "token_mean": [],
+    "seq_mean_token_mean": ["--use_kl_loss", "--kl_estimator", "k3"],
+    "seq_mean_token_sum_norm": ["--advantage_estimator", "dr_grpo"],
+}
+
+
+@pytest.fixture(scope="module")
+def rl_model(tmp_path_factory):
+    """A random tiny Llama vLLM can run (head_dim 32), the demo tokenizer, prompts and a rule reward."""
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.tiny import tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("rl")
+    tokenizer = build_demo_tokenizer()
+    model = tiny_causal_lm("llama", seed=3, vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    rng = random.Random(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for _ in range(32):
+            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
+            f.write(json.dumps({"prompt": f"sort: {word}\n", "label": "".join(sorted(word))}) + "\n")
+    (root / "reward.py").write_text("def reward(prompts, completions, rows):\n"
+                                    "    return [c.count('a') + 0.5 * c.count('e') - 0.1 * len(c) for c in completions]\n")
+    return root
+
+
+def grpo(save_path, root, *flags):
+    argv = ["--pretrain", str(root / "model"), "--prompt_data", str(root / "prompts.jsonl"),
+            "--reward_fn", f"{root / 'reward.py'}:reward", "--save_path", str(save_path), *COMMON, *flags]
+    assert train_grpo.main(argv) == 0
+    return save_path
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory, rl_model):
+    return {mode: grpo(tmp_path_factory.mktemp(f"ppo_{mode}"), rl_model, "--loss_agg_mode", mode, *flags,
+                       *LAYOUTS["packed_dynamic"]) for mode, flags in AGGREGATIONS.items()}
+
+
+@pytest.mark.parametrize("mode", list(AGGREGATIONS))
+@pytest.mark.parametrize("layout", ["padded_8x1", "padded_1x8"])
+def test_layouts_give_the_same_steps(layout, mode, reference_runs, tmp_path, rl_model):
+    if layout == "padded_1x8" and mode != "token_mean":
+        pytest.skip("one aggregation is enough for the second padded layout")
+    run = grpo(tmp_path / layout, rl_model, "--loss_agg_mode", mode, *AGGREGATIONS[mode], *LAYOUTS[layout])
+    assert_same_run(run, reference_runs[mode])
+
+
+def test_metrics_are_named_as_peers_name_them(reference_runs):
+    metrics = read_metrics(reference_runs["token_mean"])
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        for key in ("reward", "reward_std", "advantages/mean", "advantages/std", "kl", "policy_loss", "clip_ratio",
+                    "entropy", "response_length/mean", "response_length/max", "response_length/truncated",
+                    "vllm_logp_diff", "time/generation", "time/weight_sync", "time/experience", "time/training",
+                    "generation_tokens_per_s", "training_tokens_per_s"):
+            assert key in m, key
+        assert m["optimizer_steps"] == 4  # 16 completions in steps of 8, 2 epochs
+        assert m["reward_std"] > 0 and m["advantages/std"] > 0  # the groups really disagree: gradients are not zero
+        assert 0 < m["entropy"] < 4  # nats, under ln(46) for a 46-token vocabulary
+        assert m["vllm_logp_diff"] < 1e-4  # HF generation's log-probs vs the trainer's, same weights
+    assert metrics[1]["kl"] > 0  # the policy moved away from the reference after the first batch
+    assert (reference_runs["token_mean"] / "reward.png").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank(reference_runs, tmp_path, rl_model):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "openpack.cli.main", "train_grpo", "--pretrain", str(rl_model / "model"), "--prompt_data",
+           str(rl_model / "prompts.jsonl"), "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path",
+           str(tmp_path / "two"), *COMMON[:-2], "--loss_agg_mode", "token_mean", *LAYOUTS["packed_dynamic"]]
+    assert COMMON[-2:] == ["--launcher", "local"]  # under torchrun each process is a rank whatever --launcher says
+    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_run(tmp_path / "two", reference_runs["token_mean"])
+
+
+def test_vllm_rollouts_match_the_trainer_before_and_after_every_sync(tmp_path, rl_model):
+    """Step 1 samples from the starting weights (the trainer/vLLM ratio is 1), step 2 from weights synced after
+    four updates: vLLM's log-probs of its own samples equal the trainer's to 1e-4 both times."""
+    pytest.importorskip("vllm")
+    run = grpo(tmp_path / "vllm", rl_model, "--rollout_backend", "vllm", "--vllm_is_correction_cap", "2",
+               *LAYOUTS["packed_dynamic"])
+    metrics = read_metrics(run)
+    for m in metrics:
+        assert m["vllm_logp_diff"] < 1e-4, m
+        assert m["tis_clip_ratio"] == 0.0  # the importance weight is 1 everywhere when the weights agree
+        assert m["time/weight_sync"] > 0
+    assert metrics[1]["kl"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "1"], "--n_samples_per_prompt >= 2"),
+    (["--train_batch_size", "5"], "does not split into steps of --train_batch_size"),
+    (["--use_kl_loss"], "--use_kl_loss with --init_kl_coef 0"),
+    (["--rollout_backend", "hf", "--vllm_is_correction_cap", "2"], "drop it"),
+])
+def test_bad_flags_are_named(flags, message, rl_model, tmp_path, capsys):
+    argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
+            "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path), "--launcher", "local",
+            "--rollout_batch_size", "4", "--n_samples_per_prompt", "4", "--train_batch_size", "8", *flags]
+    assert train_ppo.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_no_reward_is_an_error(rl_model, tmp_path, capsys):
+    argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
+            "--save_path", str(tmp_path), "--launcher", "local", "--rollout_batch_size", "4",
+            "--train_batch_size", "4", "--rollout_backend", "hf"]
+    assert train_ppo.main(argv) == 2
+    assert "no reward: give --reward_fn" in capsys.readouterr().err
