@@ -1,6 +1,6 @@
 """GRPO on CPU: openpack train_grpo (HF rollouts, packed experience) vs TRL 1.16's GRPOTrainer (transformers generate).
 
-    python benchmarks/grpo_vs_trl.py [--repeats 3] [--steps 4] [--models demo,random] [--markdown docs/benchmarks.md]
+    python benchmarks/grpo_vs_trl.py [--repeats 3] [--steps 5] [--models demo,random] [--markdown docs/benchmarks.md]
     python benchmarks/grpo_vs_trl.py --smoke --out /tmp/x     # seconds-long check of the harness (CI)
 
 One GRPO step is: sample ``n`` completions for each of ``prompts_per_step``
@@ -67,7 +67,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
 from harness import ModelSpec
 
-ARMS = ("openpack", "TRL")
+SMALL_ROWS = "openpack small rows"
+OPENPACK_ARMS = ("openpack", SMALL_ROWS)
+ARMS = (*OPENPACK_ARMS, "TRL")
+PROMPT_TOKENS = 6  # every demo prompt, "07+46=", one token per character
 SECTION = "grpo_vs_trl"
 TRL_MICRO_BATCH = 8  # TRL's default per_device_train_batch_size (checked in the worker)
 DEMO_VOCAB = 46  # the demo tokenizer's size: a random model samples only ids it can decode
@@ -85,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts_per_step", type=int, default=16, help="prompts per rollout and optimizer step")
     parser.add_argument("--n", type=int, default=8, help="completions per prompt (GRPO's group size)")
     parser.add_argument("--max_completion", type=int, default=32, help="max new tokens per completion")
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run; the first is warm-up")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run; the first is warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm per model, interleaved")
     parser.add_argument("--learning_rate", type=float, default=1e-6, help="constant lr (TRL's GRPO default)")
     parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
@@ -240,7 +243,7 @@ def model_description(name: str, args) -> str:
     spec = SMOKE_MODEL if args.smoke else RANDOM_MODEL
     return (f"a random-init Llama ({spec.num_hidden_layers} layers, width {spec.hidden_size}, MLP "
             f"{spec.intermediate_size}, 4 query / 2 KV heads, the demo tokenizer's 46-token vocab, "
-            f"{random_model_parameters(spec) / 1e6:.1f}M parameters)")
+            f"{random_model_parameters(spec) / 1e6:.2f}M parameters)")
 
 
 def random_model_parameters(spec: ModelSpec) -> int:
@@ -248,7 +251,13 @@ def random_model_parameters(spec: ModelSpec) -> int:
     return 2 * spec.vocab_size * h + spec.num_hidden_layers * (spec._layer_params() + 2 * h) + h
 
 
-def openpack_command(args, setup: dict, model: str, save_path: Path) -> list[str]:
+def small_rows_cap(args) -> int:
+    """Rows no longer than one of TRL's padded micro-batches can be: 8 x (prompt + max completion) slots."""
+    return TRL_MICRO_BATCH * (PROMPT_TOKENS + args.max_completion)
+
+
+def openpack_command(args, setup: dict, model: str, save_path: Path, cap: int = None) -> list[str]:
+    cap = cap or OPENPACK_MAX_TOKENS
     return [
         "-m", "openpack.cli.main", "train_grpo", "--launcher", "local",
         "--pretrain", str(setup["models"][model]), "--prompt_data", str(setup["data"]),
@@ -256,7 +265,7 @@ def openpack_command(args, setup: dict, model: str, save_path: Path) -> list[str
         "--rollout_batch_size", str(args.prompts_per_step), "--n_samples_per_prompt", str(args.n),
         "--generate_max_len", str(args.max_completion), "--prompt_max_len", "16",
         "--train_batch_size", str(args.prompts_per_step * args.n), "--micro_train_batch_size", "1",
-        "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", str(OPENPACK_MAX_TOKENS),
+        "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", str(cap),
         "--rollout_backend", "hf", "--micro_rollout_batch_size", str(args.prompts_per_step), "--num_episodes", "1", "--max_samples", str(args.prompts_per_step * args.steps),
         "--temperature", "1.0", "--learning_rate", str(args.learning_rate), "--lr_scheduler", "constant",
         "--adam_betas", "0.9", "0.999", "--max_norm", "1.0", "--init_kl_coef", "0", "--loss_agg_mode", "token_mean",
@@ -267,8 +276,9 @@ def openpack_command(args, setup: dict, model: str, save_path: Path) -> list[str
 OPENPACK_MAX_TOKENS = 16384  # openpack's default: a step's 128 completions of <= 38 tokens fit one packed row
 
 
-def run_openpack(args, setup: dict, model: str, run_dir: Path, env: dict) -> dict:
-    measured = harness.run_measured(openpack_command(args, setup, model, run_dir), run_dir.with_suffix(".log"), env)
+def run_openpack(args, setup: dict, model: str, run_dir: Path, env: dict, cap: int) -> dict:
+    measured = harness.run_measured(openpack_command(args, setup, model, run_dir, cap), run_dir.with_suffix(".log"),
+                                    env)
     harness.check_run(measured, "openpack train_grpo")
     steps = [openpack_step(s) for s in harness.read_jsonl(run_dir / "metrics.jsonl") if "time/training" in s]
     return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
@@ -305,7 +315,10 @@ def run_all(args, setup: dict, work: Path) -> dict[str, list[dict]]:
     for model in setup["models"]:
         print(f"model {model}: {model_description(model, args)}", flush=True)
         runs[model] = harness.run_interleaved({
-            "openpack": lambda repeat, m=model: run_openpack(args, setup, m, work / f"{m}_openpack_{repeat}", env),
+            "openpack": lambda repeat, m=model: run_openpack(args, setup, m, work / f"{m}_openpack_{repeat}", env,
+                                                             OPENPACK_MAX_TOKENS),
+            SMALL_ROWS: lambda repeat, m=model: run_openpack(args, setup, m, work / f"{m}_openpack_small_{repeat}",
+                                                             env, small_rows_cap(args)),
             "TRL": lambda repeat, m=model: run_trl(args, setup, m, work / f"{m}_trl_{repeat}", env),
         }, args.repeats)
     return runs
@@ -323,6 +336,7 @@ def per_run(run: dict) -> dict:
     result["reward"] = statistics.fmean(s["reward"] for s in measured)
     result["completion_mean"] = statistics.fmean(s["completion_mean"] for s in measured)
     result["peak_rss_mb"] = run["peak_rss_mb"]
+    result["wall_s"] = run["wall_s"]  # the whole process: start-up, every step, saving
     return result
 
 
@@ -333,8 +347,9 @@ def summarise(runs: list[dict]) -> dict:
     """Per arm, every key's values over repeats; per key, openpack / TRL per repeat pair."""
     stats = {arm: [per_run(r) for r in runs if r["arm"] == arm] for arm in ARMS}
     values = {key: {arm: [s[key] for s in stats[arm]] for arm in ARMS} for key in (*RATIO_KEYS, "tokens_per_step",
-                                                                                    "completion_mean", "reward")}
-    ratios = {key: [o[key] / t[key] for o, t in zip(stats["openpack"], stats["TRL"])] for key in RATIO_KEYS}
+                                                                                    "completion_mean", "reward", "wall_s")}
+    ratios = {arm: {key: [o[key] / t[key] for o, t in zip(stats[arm], stats["TRL"])] for key in RATIO_KEYS}
+              for arm in OPENPACK_ARMS}
     trl = [s for r in runs if r["arm"] == "TRL" for s in r["steps"][1:]]
     padded = sum(s["slots"] for s in trl) / sum(s["tokens"] for s in trl) if trl else float("nan")
     return {"values": values, "ratios": ratios, "trl_computed_per_real": padded}
@@ -357,8 +372,9 @@ def results_table(summaries: dict[str, dict]) -> str:
                       harness.fmt_spread(s["values"]["completion_mean"][arm], "{:.1f}"),
                       harness.fmt_spread(s["values"]["reward"][arm], "{:.2f}")]
             lines.append(f"| {model} | {arm} | " + " | ".join(cells) + " |")
-        ratios = [harness.fmt_spread(s["ratios"][k], "{:.2f}x") for k in COLUMNS]
-        lines.append(f"| {model} | **openpack / TRL** | " + " | ".join(f"**{r}**" for r in ratios) + " | | | |")
+        for arm in OPENPACK_ARMS:
+            ratios = [ratio(s, arm, k) for k in COLUMNS]
+            lines.append(f"| {model} | **{arm} / TRL** | " + " | ".join(f"**{r}**" for r in ratios) + " | | | |")
     return "\n".join(lines)
 
 
@@ -375,8 +391,11 @@ def setup_text(args, setup: dict, summaries: dict) -> str:
         f"group-normalised advantages, clip 0.2, lr {args.learning_rate:g} constant, AdamW (0.9, 0.999), clip-norm "
         f"1.0, no gradient checkpointing, {args.threads} torch thread{'s' if args.threads != 1 else ''} per arm, "
         f"{args.steps} steps per run of which the first is warm-up and not counted. openpack: `--rollout_backend hf` (transformers generate in "
-        f"the training process), `--packing_samples --use_dynamic_batch --max_tokens_per_gpu {OPENPACK_MAX_TOKENS}`"
-        f", `--launcher local`. TRL: `GRPOConfig(use_vllm=False, use_cpu=True, bf16=False, gradient_checkpointing="
+        f"the training process), `--packing_samples --use_dynamic_batch --launcher local`, and "
+        f"`--max_tokens_per_gpu {OPENPACK_MAX_TOKENS}` (its default: the whole step is one packed row) in the arm "
+        f"called openpack, `--max_tokens_per_gpu {small_rows_cap(args)}` in `{SMALL_ROWS}` (no row longer than one "
+        f"of TRL's micro-batches can be: {TRL_MICRO_BATCH} x ({PROMPT_TOKENS} + {args.max_completion}) slots, so "
+        f"both hold about the same activations per forward; the runs of the three arms alternate). TRL: `GRPOConfig(use_vllm=False, use_cpu=True, bf16=False, gradient_checkpointing="
         f"False, beta=0.0, num_generations={args.n}, max_completion_length={args.max_completion}, "
         f"per_device_train_batch_size={TRL_MICRO_BATCH}, gradient_accumulation_steps="
         f"{args.prompts_per_step * args.n // TRL_MICRO_BATCH}, lr_scheduler_type=\"constant\", shuffle_dataset=False"
@@ -409,15 +428,85 @@ work; each framework ran {args.repeats}x per model, interleaved, and every cell 
 
 {results_table(summaries)}
 
-{image}"""
+Ratios are openpack / TRL: below 1 for the times and memory means openpack takes less, above 1 for training
+tokens/s means openpack is faster. "tokens / step" are the real prompt + completion tokens the update ran over;
+"completion length" is the mean over the measured steps (sampled, so each arm's differ a little).
+
+{image}{headline(summaries)}
+
+{differences(args)}
+"""
+
+
+def share_text(s: dict) -> str:
+    """Generation's and training's median share of each arm's step."""
+    parts = []
+    for arm in ARMS:
+        step = statistics.median(s["values"]["step_time_s"][arm])
+        gen, train = (statistics.median(s["values"][k][arm]) / step for k in ("generation_s", "training_s"))
+        parts.append(f"{arm} {100 * gen:.0f}% generating, {100 * train:.0f}% training")
+    return "; ".join(parts)
+
+
+def ratio(s: dict, arm: str, key: str) -> str:
+    return harness.fmt_spread(s["ratios"][arm][key], "{:.2f}x")
+
+
+def headline(summaries: dict) -> str:
+    """Each model's ratios and where each arm's step goes, as a paragraph."""
+    lines = []
+    for model, s in summaries.items():
+        arms = "; ".join(
+            f"{arm} / TRL: s/step {ratio(s, arm, 'step_time_s')} (generation {ratio(s, arm, 'generation_s')}, "
+            f"training {ratio(s, arm, 'training_s')}), training tokens/s {ratio(s, arm, 'training_tokens_per_s')}, "
+            f"peak RSS {ratio(s, arm, 'peak_rss_mb')}" for arm in OPENPACK_ARMS)
+        walls = ", ".join(f"{arm} {harness.fmt_spread(s['values']['wall_s'][arm])} s" for arm in ARMS)
+        lines.append(
+            f"**`{model}`**: {arms}. Step split: {share_text(s)}. TRL's padded micro-batches hold "
+            f"{s['trl_computed_per_real']:.2f}x the real tokens. A whole run (its process from start-up to exit): "
+            f"{walls}.")
+    return "\n\n".join(lines)
+
+
+def differences(args) -> str:
+    """What differs between the arms, phase by phase (facts read from both codebases, not measured)."""
+    completions = args.prompts_per_step * args.n
+    return f"""**What each arm does differently.**
+
+* *Generation.* Both call transformers' `generate` once per step on all {completions} completions (prompts
+  left-padded, KV cache, sampling at temperature 1.0 with top-k and top-p off). openpack's HF engine also asks
+  `generate` for every step's logits (`output_logits=True`) and keeps each sampled token's log-prob (the
+  behaviour log-prob, for `--vllm_is_correction_cap` and the policy-vs-engine log-prob metric), switches the
+  model to eval mode, seeds a forked RNG per call and gathers the rollouts over ranks (one rank here); its
+  clock also covers turning the output into per-completion lists. TRL's non-vLLM path keeps no log-probs,
+  generates in train mode (no dropout in this Llama, so the samples' law is the same) and its clock here covers
+  `_generate_single_turn` only.
+* *Experience.* Beta 0 and one optimizer step per rollout: neither framework runs a reference or old-policy
+  forward (both take the detached log-probs of the training forward as the old ones), so this phase is the
+  reward call and the group-normalised advantages on both sides: milliseconds.
+* *Training.* openpack packs the step's completions (prompt + completion, the loss on the completion) into
+  rows of at most {OPENPACK_MAX_TOKENS} tokens (its default; the whole step is one row here) or
+  {small_rows_cap(args)} tokens (`{SMALL_ROWS}`) with per-segment attention, one forward and backward per row, under its DeepSpeed ZeRO-2 engine with torch AdamW. TRL
+  runs {completions // TRL_MICRO_BATCH} micro-batches of {TRL_MICRO_BATCH} rows (its default micro-batch),
+  each padded to its longest prompt + completion, with a padding mask, through Accelerate with fused torch
+  AdamW (`adamw_torch_fused`, its default). Both compute the per-token entropy for their metrics and both
+  normalise the loss by the step's completion tokens (TRL's default `loss_type="dapo"`, openpack's
+  `--loss_agg_mode token_mean`).
+* *Settings that are not both frameworks' defaults*, none chosen to favour openpack: TRL's `bf16` and
+  `gradient_checkpointing` are off (an fp32 CPU comparison; openpack runs without checkpointing by default), its
+  lr schedule is constant (openpack's default; TRL's is linear decay) and its dataset is not shuffled (the
+  prompts are all 6 tokens, so the order changes no lengths). openpack gets `--adam_betas 0.9 0.999` (TRL's;
+  openpack's default is OpenRLHF's 0.9 0.95) and `--micro_rollout_batch_size {args.prompts_per_step}` (one
+  generate call per step, as TRL; its default of 32 prompts would give the same call)."""
 
 
 def charts(path: Path, summaries: dict) -> None:
-    """One panel of openpack / TRL ratios per measure, a bar per model (the models' seconds differ 30-fold, so
+    """One panel of openpack / TRL ratios per measure, a bar per model and openpack arm (the models' seconds differ 30-fold, so
     absolute bars on one axis would hide the small one)."""
     panel = harness.Panel("openpack / TRL per repeat pair (times and memory: < 1 is openpack lower; tokens/s: > 1 "
                           "is openpack faster)", "openpack / TRL", [LABELS[k] for k in COLUMNS],
-                          {model: [s["ratios"][k] for k in COLUMNS] for model, s in summaries.items()}, "%.2fx")
+                          {f"{model}: {arm}": [s["ratios"][arm][k] for k in COLUMNS]
+                           for model, s in summaries.items() for arm in OPENPACK_ARMS}, "%.2fx")
     harness.save_bar_charts(path, [panel], "GRPO step on CPU: openpack vs TRL 1.16 GRPOTrainer")
 
 

@@ -111,3 +111,21 @@ def test_gpu_mfu_smoke_on_cpu(tmp_path):
     assert set(rows) == {"packed", "padded"}
     assert rows["packed"][6].strip() == "100.0%"
     assert float(rows["padded"][6].strip().rstrip("%")) < 100
+
+
+@pytest.mark.slow
+def test_grpo_vs_trl_smoke(tmp_path):
+    """A tiny random model, 4 prompts x 4 completions of <= 8 tokens, 2 steps: both arms run and split their step
+    into generation and training; the ratios the docs quote are computed."""
+    results, text = run_smoke("grpo_vs_trl.py", tmp_path)
+    summary = results["summary"]["random"]
+    arms = ["openpack", "openpack small rows", "TRL"]
+    for key in ("step_time_s", "generation_s", "training_s", "training_tokens_per_s", "peak_rss_mb"):
+        assert_spread(summary["values"][key], arms)
+        for arm in arms[:2]:
+            assert len(summary["ratios"][arm][key]) == 1 and summary["ratios"][arm][key][0] > 0
+    for run in results["runs"]["random"]:
+        for step in run["steps"]:  # the phases are parts of the step
+            assert step["generation_s"] + step["training_s"] <= step["step_time_s"] * 1.01 + 1e-3, (run["arm"], step)
+    assert summary["trl_computed_per_real"] >= 1
+    assert "openpack / TRL" in text and "openpack small rows / TRL" in text and "GRPOTrainer" in text
