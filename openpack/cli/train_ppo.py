@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
     announce(command, configs, demo_notice)
     from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.trainers.ppo_worker import plan_rl, run_ppo
+    from openpack.trainers.rewards import RewardError
 
     try:
         with own_save_path(out_cfg, launched_by_environment()):
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
     except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack {command}: {err}", file=sys.stderr)
         return 2
+    except RewardError as err:  # a reward that failed mid-run (server down, NaN): its message names it and the batch
+        print(f"openpack {command}: {err}", file=sys.stderr)
+        return 1
 
 
 def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model):

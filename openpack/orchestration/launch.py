@@ -74,8 +74,12 @@ def launch_command(run, launcher: str) -> tuple[int, object]:
     except ClusterUnreachable as err:
         print(f"openpack: {err}", file=sys.stderr)
         return 2, None
-    except (RankDiedError, EngineDiedError) as err:
+    except RankDiedError as err:
         print(f"openpack: {err}", file=sys.stderr)
+        return 1, None
+    except EngineDiedError as err:  # raised in a rank between checkpoints, like a dead rank's collectives
+        print(f"openpack: {err}; the last checkpoint is intact: rerun with --load_checkpoint to resume",
+              file=sys.stderr)
         return 1, None
     except KeyboardInterrupt as err:  # the Ray launcher has already stopped every actor and its local cluster
         stopped = err if isinstance(err, Stopped) else Stopped(signal.SIGINT)
