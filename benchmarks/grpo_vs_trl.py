@@ -10,9 +10,15 @@ into group-normalised advantages, and take one optimizer step over all
 saved model, the same prompts, ``n``, max completion length, temperature 1.0,
 lr, beta 0 (no KL term, so no reference model on either side) and
 completions per optimizer step. Each run is a fresh subprocess; runs
-alternate openpack, TRL, openpack, TRL... and both use one torch thread (on 2
-cores shared with other work, two intra-op threads measure the neighbours'
-stalls, not the frameworks: see rm_vs_trl.py).
+alternate openpack, openpack small rows, TRL, openpack... and all use one
+torch thread (on 2 cores shared with other work, two intra-op threads measure
+the neighbours' stalls, not the frameworks: see rm_vs_trl.py).
+
+Three arms: ``openpack`` with its default ``--max_tokens_per_gpu 16384``
+(a whole step's completions in one packed row: fewest forwards, most
+activation memory), ``openpack small rows`` with rows no longer than one of
+TRL's padded micro-batches can be (8 x (prompt + max completion) tokens, so
+memory per forward is alike), and ``TRL`` with its default micro-batch of 8.
 
 Two models, because one alone would mislead:
 
@@ -57,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -256,7 +263,7 @@ def small_rows_cap(args) -> int:
     return TRL_MICRO_BATCH * (PROMPT_TOKENS + args.max_completion)
 
 
-def openpack_command(args, setup: dict, model: str, save_path: Path, cap: int = None) -> list[str]:
+def openpack_command(args, setup: dict, model: str, save_path: Path, cap: int | None = None) -> list[str]:
     cap = cap or OPENPACK_MAX_TOKENS
     return [
         "-m", "openpack.cli.main", "train_grpo", "--launcher", "local",
@@ -266,7 +273,8 @@ def openpack_command(args, setup: dict, model: str, save_path: Path, cap: int = 
         "--generate_max_len", str(args.max_completion), "--prompt_max_len", "16",
         "--train_batch_size", str(args.prompts_per_step * args.n), "--micro_train_batch_size", "1",
         "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", str(cap),
-        "--rollout_backend", "hf", "--micro_rollout_batch_size", str(args.prompts_per_step), "--num_episodes", "1", "--max_samples", str(args.prompts_per_step * args.steps),
+        "--rollout_backend", "hf", "--micro_rollout_batch_size", str(args.prompts_per_step), "--num_episodes", "1",
+        "--max_samples", str(args.prompts_per_step * args.steps),
         "--temperature", "1.0", "--learning_rate", str(args.learning_rate), "--lr_scheduler", "constant",
         "--adam_betas", "0.9", "0.999", "--max_norm", "1.0", "--init_kl_coef", "0", "--loss_agg_mode", "token_mean",
         "--seed", str(args.seed), "--logging_steps", "1", "--save_path", str(save_path),
@@ -344,10 +352,10 @@ RATIO_KEYS = PHASES + ("training_tokens_per_s", "peak_rss_mb")
 
 
 def summarise(runs: list[dict]) -> dict:
-    """Per arm, every key's values over repeats; per key, openpack / TRL per repeat pair."""
+    """Per key, every arm's values over repeats; per openpack arm and key, openpack / TRL per repeat pair."""
     stats = {arm: [per_run(r) for r in runs if r["arm"] == arm] for arm in ARMS}
-    values = {key: {arm: [s[key] for s in stats[arm]] for arm in ARMS} for key in (*RATIO_KEYS, "tokens_per_step",
-                                                                                    "completion_mean", "reward", "wall_s")}
+    keys = (*RATIO_KEYS, "tokens_per_step", "completion_mean", "reward", "wall_s")
+    values = {key: {arm: [s[key] for s in stats[arm]] for arm in ARMS} for key in keys}
     ratios = {arm: {key: [o[key] / t[key] for o, t in zip(stats[arm], stats["TRL"])] for key in RATIO_KEYS}
               for arm in OPENPACK_ARMS}
     trl = [s for r in runs if r["arm"] == "TRL" for s in r["steps"][1:]]
@@ -390,12 +398,14 @@ def setup_text(args, setup: dict, summaries: dict) -> str:
         f"beta 0 (no reference model), exact-match reward (completion without eos == the answer), "
         f"group-normalised advantages, clip 0.2, lr {args.learning_rate:g} constant, AdamW (0.9, 0.999), clip-norm "
         f"1.0, no gradient checkpointing, {args.threads} torch thread{'s' if args.threads != 1 else ''} per arm, "
-        f"{args.steps} steps per run of which the first is warm-up and not counted. openpack: `--rollout_backend hf` (transformers generate in "
+        f"{args.steps} steps per run of which the first is warm-up and not counted. openpack: `--rollout_backend hf` "
+        f"(transformers generate in "
         f"the training process), `--packing_samples --use_dynamic_batch --launcher local`, and "
         f"`--max_tokens_per_gpu {OPENPACK_MAX_TOKENS}` (its default: the whole step is one packed row) in the arm "
         f"called openpack, `--max_tokens_per_gpu {small_rows_cap(args)}` in `{SMALL_ROWS}` (no row longer than one "
         f"of TRL's micro-batches can be: {TRL_MICRO_BATCH} x ({PROMPT_TOKENS} + {args.max_completion}) slots, so "
-        f"both hold about the same activations per forward; the runs of the three arms alternate). TRL: `GRPOConfig(use_vllm=False, use_cpu=True, bf16=False, gradient_checkpointing="
+        f"both hold about the same activations per forward; the runs of the three arms alternate). TRL: "
+        f"`GRPOConfig(use_vllm=False, use_cpu=True, bf16=False, gradient_checkpointing="
         f"False, beta=0.0, num_generations={args.n}, max_completion_length={args.max_completion}, "
         f"per_device_train_batch_size={TRL_MICRO_BATCH}, gradient_accumulation_steps="
         f"{args.prompts_per_step * args.n // TRL_MICRO_BATCH}, lr_scheduler_type=\"constant\", shuffle_dataset=False"
@@ -405,7 +415,8 @@ def setup_text(args, setup: dict, summaries: dict) -> str:
     )
 
 
-def markdown_section(args, setup: dict, summaries: dict, chart: Path | None, doc: Path, wall_s: float) -> str:
+def markdown_section(args, setup: dict, summaries: dict, chart: Path | None, doc: Path, wall_s: float,
+                     load: list[float]) -> str:
     image = f"![GRPO step time split and memory]({os.path.relpath(chart, doc.parent)})\n\n" if chart else ""
     cmd = harness.shell_command(openpack_command(args, setup, setup["models"] and next(iter(setup["models"])),
                                                  setup["work"] / "RUN_DIR"))
@@ -417,8 +428,9 @@ def markdown_section(args, setup: dict, summaries: dict, chart: Path | None, doc
 ```
 
 Machine: {harness.machine_description()}. The script took {wall_s:.0f} s. The machine was shared with other
-work; each framework ran {args.repeats}x per model, interleaved, and every cell is median (min-max) over repeats
-(ratios are taken per repeat pair).
+work (1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on 2 cores: every arm's absolute
+times are inflated and noisy, which interleaving spreads over the arms alike); each arm ran {args.repeats}x per
+model, interleaved, and every cell is median (min-max) over repeats (ratios are taken per repeat pair).
 
 {setup_text(args, setup, summaries)} The openpack command (paths relative to the work folder):
 
@@ -434,7 +446,11 @@ tokens/s means openpack is faster. "tokens / step" are the real prompt + complet
 
 {image}{headline(summaries)}
 
+{reading(args, summaries)}
+
 {differences(args)}
+
+{trl_notes()}
 """
 
 
@@ -468,6 +484,42 @@ def headline(summaries: dict) -> str:
     return "\n\n".join(lines)
 
 
+def median_ratio(s: dict, arm: str, key: str) -> float:
+    return statistics.median(s["ratios"][arm][key])
+
+
+def reading(args, summaries: dict) -> str:
+    """What the ratios say; directions are read from this run's medians, causes are stated as not profiled."""
+    gen = [r for s in summaries.values() for arm in OPENPACK_ARMS for r in s["ratios"][arm]["generation_s"]]
+    parts = [(f"**Reading it.** Generation is transformers' `generate` in all three arms, and its openpack / TRL "
+              f"ratio spans {min(gen):.2f}x-{max(gen):.2f}x over all repeat pairs and both models (the two openpack "
+             "arms run the same generation code, yet differ as much between themselves): no difference shows "
+              "through this machine's noise. The experience phase is milliseconds on both sides. Training is where "
+              "the arms differ.")]
+    for model, s in summaries.items():
+        tokens = statistics.median(s["values"]["tokens_per_step"]["openpack"])
+        rows = math.ceil(tokens / small_rows_cap(args))
+        default, small = (median_ratio(s, arm, "training_s") for arm in OPENPACK_ARMS)
+        parts.append(
+            f"On `{model}` ({tokens:.0f} real tokens per step) openpack's default puts the whole step in one packed "
+            f"row, one forward and backward against TRL's {args.prompts_per_step * args.n // TRL_MICRO_BATCH} "
+            f"micro-batches: its training takes {default:.2f}x TRL's time, with peak RSS "
+            f"{median_ratio(s, 'openpack', 'peak_rss_mb'):.2f}x TRL's. With rows no longer than TRL's micro-batches "
+            f"(at least {rows} rows per step) training takes {small:.2f}x TRL's time and peak RSS is "
+            f"{median_ratio(s, SMALL_ROWS, 'peak_rss_mb'):.2f}x TRL's.")
+    parts.append(
+        "openpack's default layout trades memory for fewer forwards: its peak RSS grows with the step's tokens (one "
+        "row holds them all), while TRL's and the small-rows arm's grow with the micro-batch. The small-rows arm "
+        "is the like-for-like one: same activations per forward, and TRL computes the padding shown above where "
+        "openpack does not. Where each side's time goes within a forward at these short lengths was not profiled "
+        "here: candidates are the per-row work of openpack's CPU attention (one "
+        "SDPA call per distinct segment length, with a gather and scatter of the row) and its DeepSpeed engine's "
+        "per-micro-batch bookkeeping, against TRL's single batched SDPA call per padded micro-batch. On a GPU "
+        "with vLLM rollouts the picture differs: generation moves out of both trainers' processes (TRL's "
+        "`use_vllm`, openpack's engines), and the padding and memory terms scale with the model.")
+    return "\n\n".join(parts)
+
+
 def differences(args) -> str:
     """What differs between the arms, phase by phase (facts read from both codebases, not measured)."""
     completions = args.prompts_per_step * args.n
@@ -486,7 +538,8 @@ def differences(args) -> str:
   reward call and the group-normalised advantages on both sides: milliseconds.
 * *Training.* openpack packs the step's completions (prompt + completion, the loss on the completion) into
   rows of at most {OPENPACK_MAX_TOKENS} tokens (its default; the whole step is one row here) or
-  {small_rows_cap(args)} tokens (`{SMALL_ROWS}`) with per-segment attention, one forward and backward per row, under its DeepSpeed ZeRO-2 engine with torch AdamW. TRL
+  {small_rows_cap(args)} tokens (`{SMALL_ROWS}`) with per-segment attention, one forward and backward per row,
+  under its DeepSpeed ZeRO-2 engine with torch AdamW. TRL
   runs {completions // TRL_MICRO_BATCH} micro-batches of {TRL_MICRO_BATCH} rows (its default micro-batch),
   each padded to its longest prompt + completion, with a padding mask, through Accelerate with fused torch
   AdamW (`adamw_torch_fused`, its default). Both compute the per-token entropy for their metrics and both
@@ -500,14 +553,31 @@ def differences(args) -> str:
   generate call per step, as TRL; its default of 32 prompts would give the same call)."""
 
 
+def trl_notes() -> str:
+    """What was found reading and running TRL 1.16's GRPOTrainer on CPU (facts, not measured ratios)."""
+    return """**TRL's GRPO on CPU: what to know.** (1) Its defaults are GPU defaults: `bf16=True` and
+`gradient_checkpointing=True` (both off here), lr 1e-6 with linear decay, `adamw_torch_fused`. (2) Generation
+runs inside the first micro-batch's `training_step` (`_prepare_inputs` generates the whole generation batch,
+`per_device_train_batch_size x steps_per_generation`, and buffers it), so its logged `step_time` includes
+generation and the profiling metric `profiling/Time taken: GRPOTrainer.transformers.generate` is the only
+split it offers; this script times `_generate_single_turn` and `_generate_and_score_completions` itself.
+(3) On the non-vLLM path it samples in train mode and keeps no sampling log-probs, so there is no
+trainer-vs-sampler log-prob check and no importance-sampling correction there (both are vLLM-only). (4) With
+beta 0, `num_iterations=1` and `steps_per_generation` equal to the accumulation steps, it runs no old-policy
+or reference forward: the experience phase is the reward call. (5) Its padded forward computes logits for the
+completion positions only (`logits_to_keep`), but every micro-batch is padded to its longest prompt +
+completion."""
+
+
 def charts(path: Path, summaries: dict) -> None:
-    """One panel of openpack / TRL ratios per measure, a bar per model and openpack arm (the models' seconds differ 30-fold, so
-    absolute bars on one axis would hide the small one)."""
-    panel = harness.Panel("openpack / TRL per repeat pair (times and memory: < 1 is openpack lower; tokens/s: > 1 "
-                          "is openpack faster)", "openpack / TRL", [LABELS[k] for k in COLUMNS],
-                          {f"{model}: {arm}": [s["ratios"][arm][k] for k in COLUMNS]
-                           for model, s in summaries.items() for arm in OPENPACK_ARMS}, "%.2fx")
-    harness.save_bar_charts(path, [panel], "GRPO step on CPU: openpack vs TRL 1.16 GRPOTrainer")
+    """openpack / TRL per measure (a panel each), a bar per model and openpack arm: ratios, because the models'
+    seconds differ 20-fold and absolute bars on one axis would hide the small one."""
+    panels = [harness.Panel(f"{LABELS[key]}: openpack / TRL ({'> 1' if key.endswith('per_s') else '< 1'} is "
+                            "openpack better)", "openpack / TRL", list(summaries),
+                            {arm: [s["ratios"][arm][key] for s in summaries.values()] for arm in OPENPACK_ARMS},
+                            "%.2fx")
+              for key in ("step_time_s", "generation_s", "training_s", "training_tokens_per_s", "peak_rss_mb")]
+    harness.save_bar_charts(path, panels, "GRPO step on CPU: openpack vs TRL 1.16 GRPOTrainer, 1 thread per arm")
 
 
 def main(argv=None) -> int:
@@ -516,20 +586,21 @@ def main(argv=None) -> int:
 
 def benchmark(args, work: Path) -> int:
     """Run every arm in ``work``, print the tables, write results.json there and the docs section."""
-    started = time.perf_counter()
+    started, load = time.perf_counter(), [os.getloadavg()[0]]
     setup = prepare(args, work)
     runs = run_all(args, setup, work)
     summaries = {model: summarise(model_runs) for model, model_runs in runs.items()}
     wall_s = time.perf_counter() - started
+    load.append(os.getloadavg()[0])
     print(results_table(summaries))
     print(f"total wall time {wall_s:.0f} s")
     results = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "runs": runs, "summary": summaries, "wall_s": wall_s}
+               "runs": runs, "summary": summaries, "wall_s": wall_s, "load_average": load}
     (work / "results.json").write_text(json.dumps(results, indent=1))
     if args.markdown is not None:
         charts(args.chart, summaries)
         harness.write_section(args.markdown, SECTION, markdown_section(args, setup, summaries, args.chart,
-                                                                        args.markdown, wall_s))
+                                                                        args.markdown, wall_s, load))
     return 0
 
 
