@@ -163,6 +163,18 @@ def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) ->
     if rl_cfg.vllm_is_correction_cap and rollout_cfg.rollout_backend == "hf":
         raise ConfigError("--vllm_is_correction_cap corrects vLLM's sampling mismatch; with --rollout_backend hf "
                           "the policy samples itself: drop it")
+    if world > 1:
+        from openpack.trainers.ppo_worker import resolved_backend
+
+        backend = resolved_backend(rollout_cfg)
+        if backend == "hf" and model_cfg.zero_stage == 3:  # ranks generate different lengths, params partitioned
+            raise ConfigError(f"HF rollouts under --zero_stage 3 on {world} ranks are not supported (each rank's "
+                              "generate would need the others' partitions at every token): use --rollout_backend "
+                              "vllm, or --zero_stage 2")
+        if backend == "vllm" and (launch_cfg.launcher != "ray" or launched_by_environment()):
+            raise ConfigError(f"vLLM engines with {world} ranks run as Ray actors: use --launcher ray (not torchrun "
+                              "or the deepspeed launcher; an engine inside a rank of a process group hangs), or "
+                              "--rollout_backend hf")
     if rl_cfg.use_kl_loss and not rl_cfg.init_kl_coef:
         raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
 

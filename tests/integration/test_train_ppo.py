@@ -111,19 +111,34 @@ def test_two_ranks_equal_one_rank(reference_runs, tmp_path, rl_model):
     assert_same_run(tmp_path / "two", reference_runs["token_mean"])
 
 
-def test_vllm_rollouts_match_the_trainer_before_and_after_every_sync(tmp_path, rl_model):
+VLLM_FLAGS = ["--rollout_backend", "vllm", "--vllm_is_correction_cap", "2", "--zero_stage", "3",
+              *LAYOUTS["packed_dynamic"]]
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory, rl_model):
+    pytest.importorskip("vllm")
+    return grpo(tmp_path_factory.mktemp("vllm"), rl_model, *VLLM_FLAGS)
+
+
+def test_vllm_rollouts_match_the_trainer_before_and_after_every_sync(vllm_run):
     """Step 1 samples from the starting weights (the trainer/vLLM ratio is 1), step 2 from weights synced after
     four updates, gathered one parameter at a time under ZeRO-3: vLLM's log-probs of its own samples equal the
     trainer's to 1e-4 both times."""
-    pytest.importorskip("vllm")
-    run = grpo(tmp_path / "vllm", rl_model, "--rollout_backend", "vllm", "--vllm_is_correction_cap", "2",
-               "--zero_stage", "3", *LAYOUTS["packed_dynamic"])
-    metrics = read_metrics(run)
+    metrics = read_metrics(vllm_run)
     for m in metrics:
         assert m["vllm_logp_diff"] < 1e-4, m
         assert m["tis_clip_ratio"] == 0.0  # the importance weight is 1 everywhere when the weights agree
         assert m["time/weight_sync"] > 0
     assert metrics[1]["kl"] > 0
+
+
+@pytest.mark.slow
+def test_two_ray_ranks_with_an_engine_actor_equal_one_local_rank(vllm_run, tmp_path, rl_model):
+    """Under Ray the engine is an actor of its own and rank 0 asks it for every rollout; the ZeRO-3 gathers of the
+    weight sync run on both ranks. The same seeds sample the same completions, so the run equals the in-process one."""
+    run = grpo(tmp_path / "ray", rl_model, *VLLM_FLAGS, "--launcher", "ray", "--num_gpus_per_node", "2")
+    assert_same_run(run, vllm_run)
 
 
 @pytest.mark.parametrize("flags, message", [
