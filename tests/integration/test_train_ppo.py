@@ -146,6 +146,8 @@ def test_two_ray_ranks_with_an_engine_actor_equal_one_local_rank(vllm_run, tmp_p
     (["--train_batch_size", "5"], "does not split into steps of --train_batch_size"),
     (["--use_kl_loss"], "--use_kl_loss with --init_kl_coef 0"),
     (["--rollout_backend", "hf", "--vllm_is_correction_cap", "2"], "drop it"),
+    (["--rollout_backend", "hf", "--zero_stage", "3", "--launcher", "ray", "--num_gpus_per_node", "2"],
+     "use --rollout_backend vllm, or --zero_stage 2"),
 ])
 def test_bad_flags_are_named(flags, message, rl_model, tmp_path, capsys):
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
@@ -153,6 +155,16 @@ def test_bad_flags_are_named(flags, message, rl_model, tmp_path, capsys):
             "--rollout_batch_size", "4", "--n_samples_per_prompt", "4", "--train_batch_size", "8", *flags]
     assert train_ppo.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_vllm_under_torchrun_is_refused(rl_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
+            "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path), "--rollout_batch_size",
+            "4", "--n_samples_per_prompt", "4", "--train_batch_size", "8", "--rollout_backend", "vllm"]
+    assert train_grpo.main(argv) == 2
+    assert "run as Ray actors: use --launcher ray" in capsys.readouterr().err
 
 
 def test_no_reward_is_an_error(rl_model, tmp_path, capsys):
