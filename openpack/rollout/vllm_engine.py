@@ -16,6 +16,8 @@ them (``vllm_support.CPU_ENVIRONMENT``), and sleep/wake_up are no-ops (vLLM's CP
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from openpack.rollout.engines import process_location
@@ -23,6 +25,12 @@ from openpack.rollout.types import Completion, SamplingConfig
 from openpack.rollout.vllm_support import configure_cpu_environment, import_vllm
 
 WORKER_EXTENSION = "openpack.rollout.worker_extension.WeightReloadExtension"
+
+
+def _rotary_reload_warning(record: logging.LogRecord) -> bool:
+    """False for "RotaryEmbedding: Failed to load weights", which vLLM's in-place reload logs at every sync: rotary
+    embeddings hold no checkpoint weights (their caches come from the config), so nothing failed."""
+    return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] == "RotaryEmbedding")
 
 
 class VLLMEngine:
@@ -47,6 +55,7 @@ class VLLMEngine:
     ):
         configure_cpu_environment()
         vllm = import_vllm()
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_rotary_reload_warning)
         on_gpu = torch.cuda.is_available()
         self.sleep_enabled = enable_sleep_mode and on_gpu  # the CPU worker ignores sleep; never ask for it there
         kwargs = dict(

@@ -29,9 +29,12 @@ CPU_ENVIRONMENT = {
 
 
 def configure_cpu_environment() -> None:
-    """Set vLLM's CPU variables (a user's own values win); call before ``import vllm``. No-op with CUDA."""
+    """Set vLLM's log level and, on CPU, its CPU variables (a user's own values win); call before ``import vllm``."""
     import torch
 
+    # vLLM logs every weight reload and prefix-cache reset at INFO: one line per RL step each. WARNING keeps its
+    # problems visible; VLLM_LOGGING_LEVEL=INFO brings the rest back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if torch.cuda.is_available():
         return
     for name, value in CPU_ENVIRONMENT.items():
