@@ -117,8 +117,16 @@ VLLM_FLAGS = ["--rollout_backend", "vllm", "--vllm_is_correction_cap", "2", "--z
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory, rl_model):
+    """In a subprocess, as a user runs it: an in-process vLLM engine tears down torch.distributed's default group
+    when it shuts down, which would leave DeepSpeed's cached groups stale for the next in-process test."""
     pytest.importorskip("vllm")
-    return grpo(tmp_path_factory.mktemp("vllm"), rl_model, *VLLM_FLAGS)
+    save_path = tmp_path_factory.mktemp("vllm")
+    argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
+            "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(save_path), *COMMON, *VLLM_FLAGS]
+    result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_grpo", *argv], capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return save_path
 
 
 def test_vllm_rollouts_match_the_trainer_before_and_after_every_sync(vllm_run):
