@@ -238,7 +238,7 @@ def train_on(rollouts: Rollouts, engine, scorers: dict, settings: RLSettings, tr
     return metrics, {"time/experience": experience_s, "time/training": training_s}
 
 
-def rollout_metrics(rollouts: Rollouts, generation_s: float, max_tokens: int) -> dict:
+def rollout_metrics(rollouts: Rollouts, generation_s: float) -> dict:
     """Reward and response-length statistics of a rollout batch (TRL's and OpenRLHF's names)."""
     rewards = torch.tensor(rollouts.rewards, dtype=torch.float64)
     lengths = torch.tensor(rollouts.response_lengths(), dtype=torch.float64)

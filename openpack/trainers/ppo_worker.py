@@ -241,7 +241,7 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     generator = make_generator(backend, rollout_cfg, pretrain, run.engine.module.model, tokenizer, train_cfg.seed,
                                dist, engine_group)
     sync = _weight_sync(backend, rollout_cfg, generator, dist)
-    reward = reward_source(rl_cfg, data_cfg, demo_model is not None and not data_cfg.prompt_data)
+    reward = reward_source(rl_cfg, data_cfg, demo_model is not None)
     if sync is not None and run.position.global_step:  # resumed: the engines still hold the starting weights
         _push(sync, run.engine, model_cfg.zero_stage, dist)
     step = functools.partial(_rl_step, run, generator, sync, reward, scorers, settings, prompts, schedule,
@@ -298,7 +298,7 @@ def _rl_step(run: TrainingRun, generator: Generator, sync, reward, scorers, sett
     metrics, timings = train_on(rollouts, run.engine, scorers, settings, train_cfg, dist,
                                 tokenizer.pad_token_id or 0, train_cfg.seed + step)
     sync_s = _push(sync, run.engine, model_cfg.zero_stage, dist) if sync is not None else 0.0
-    return {**rollout_metrics(rollouts, generation_s, settings.generate_max_len), **metrics, **timings,
+    return {**rollout_metrics(rollouts, generation_s), **metrics, **timings,
             "time/reward": reward_s, "time/weight_sync": sync_s, "lr": run.engine.get_lr()[0],
             "step_time_s": time.perf_counter() - start}
 
