@@ -17,6 +17,12 @@ all ranks and micro-batches, with the weights of ``--loss_agg_mode``::
 
 The step's counts come from the plan, so each micro-batch's part needs no
 communication and packing, micro-batching and world size change nothing.
+
+The critic's loss per response token, with value v, rollout-time value
+v_old and return R from ``gae`` (OpenRLHF's ValueLoss, TRL's PPO)::
+
+    loss_t = 0.5 max((v_old + clip(v - v_old, -value_clip, value_clip) - R)^2, (v - R)^2)
+    loss_t = 0.5 (v - R)^2                                                   no --value_clip
 """
 
 from __future__ import annotations
@@ -85,3 +91,21 @@ def token_weights(segment_ids: Tensor, mode: str, step_tokens: int, step_sequenc
             raise ValueError("seq_mean_token_sum_norm (Dr. GRPO) divides by generate_max_len; give it")
         return torch.full(segment_ids.shape, 1.0 / (step_sequences * generate_max_len), device=segment_ids.device)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+
+
+@dataclass
+class ValueTerms:
+    """Per-token parts of the critic's loss, each [N] over response tokens."""
+
+    loss: Tensor
+    clipped: Tensor  # bool: the clipped branch was larger (the token's gradient comes through the clipped value)
+
+
+def value_terms(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None) -> ValueTerms:
+    """The critic's per-token loss of the module docstring; ``value_clip`` None or 0: no clipping."""
+    unclipped = (values - returns).square()
+    if not value_clip:
+        return ValueTerms(0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool))
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    clipped = (clipped_values - returns).square()
+    return ValueTerms(0.5 * torch.maximum(clipped, unclipped), clipped > unclipped)
