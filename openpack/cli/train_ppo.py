@@ -84,6 +84,11 @@ class RolloutConfig:
     top_p: float = arg(1.0, "nucleus sampling: the smallest set of tokens with this much probability", above=0,
                        at_most=1)
     num_episodes: int = arg(1, "passes over the prompts", at_least=1)
+    colocate_all_models: bool = arg(False, "policy, reference, reward models and vLLM share the training ranks' "
+                                    "devices, taking turns: vLLM sleeps while DeepSpeed trains, DeepSpeed's states "
+                                    "are offloaded while vLLM generates (docs/rl.md, Placement)")
+    colocate_critic_reward: bool = arg(False, "the reward models run inside the training ranks, on rank 0, next to "
+                                       "the critic, instead of their own actor group (--launcher ray)")
 
 
 @dataclass
@@ -175,8 +180,26 @@ def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) ->
             raise ConfigError(f"vLLM engines with {world} ranks run as Ray actors: use --launcher ray (not torchrun "
                               "or the deepspeed launcher; an engine inside a rank of a process group hangs), or "
                               "--rollout_backend hf")
+    if rollout_cfg.colocate_all_models:
+        check_colocation(rollout_cfg, world)
     if rl_cfg.use_kl_loss and not rl_cfg.init_kl_coef:
         raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
+
+
+def check_colocation(rollout_cfg, world: int) -> None:
+    """What --colocate_all_models cannot do: overlap anything, run without engines, or split an engine."""
+    from openpack.trainers.ppo_worker import resolved_backend
+
+    if getattr(rollout_cfg, "async_train", False):
+        raise ConfigError("--colocate_all_models with --async_train: on shared devices generation and training "
+                          "cannot overlap; drop one")
+    if resolved_backend(rollout_cfg) != "vllm":
+        raise ConfigError("--colocate_all_models colocates vLLM engines; with --rollout_backend hf the policy "
+                          "already generates on its own devices: drop it, or use --rollout_backend vllm")
+    if rollout_cfg.vllm_num_engines > world or rollout_cfg.vllm_tensor_parallel_size > 1:
+        raise ConfigError(f"--colocate_all_models puts engine i on rank i's device: --vllm_num_engines "
+                          f"{rollout_cfg.vllm_num_engines} must be at most the {world} rank(s), with "
+                          "--vllm_tensor_parallel_size 1 (tensor-parallel colocated engines are not built)")
 
 
 def main(argv: list[str] | None = None, command: str = "train_ppo", config_classes: tuple = CONFIGS) -> int:
@@ -222,4 +245,5 @@ def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model):
     from openpack.orchestration.ray_launcher import EngineGroupSpec
 
     return EngineGroupSpec(model_cfg.pretrain or str(demo_model), rollout_cfg.vllm_num_engines,
-                           rollout_cfg.vllm_tensor_parallel_size, {"seed": train_cfg.seed, **vllm_options(rollout_cfg)})
+                           rollout_cfg.vllm_tensor_parallel_size, {"seed": train_cfg.seed, **vllm_options(rollout_cfg)},
+                           colocate=rollout_cfg.colocate_all_models)

@@ -50,6 +50,7 @@ from openpack.orchestration.watchdog import start_watchdog, stop_watchdog
 
 POLL_S = 0.5  # longest wait inside a Ray call; also how often rank 0's console reaches the driver
 DEATH_GRACE_S = 5.0  # after a rank's error, how long to wait for a death that caused it
+ENGINE_SHARE = 0.2  # of a bundle's GPU (or CPUs) a colocated engine claims, the rank the rest (as OpenRLHF)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class EngineGroupSpec:
     num_engines: int
     tensor_parallel_size: int
     options: dict
+    colocate: bool = False  # --colocate_all_models: engine i shares rank i's bundle (ENGINE_SHARE of it)
 
 
 class RankDiedError(RuntimeError):
@@ -333,20 +335,26 @@ def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict],
     if ref_world and (ref_world > world or world % ref_world):
         raise ValueError(f"{ref_world} reference ranks must divide the {world} policy ranks")
     with StopSignals(defer=True) as stop, _Session() as session:
+        own_engines = engines is not None and not engines.colocate  # colocated engines take no CPUs of their own
         if not ray.is_initialized():
             session.owned = True
-            connect(ray_address, (world + ref_world) * (num_cpus_per_worker or 1) + (engines.num_engines if engines
+            connect(ray_address, (world + ref_world) * (num_cpus_per_worker or 1) + (engines.num_engines if own_engines
                                                                                      else 0), stop, session)
-        if engines:  # first: an engine loads its model while the ranks start
+        if own_engines:  # first: an engine loads its model while the ranks start
             kwargs = {**kwargs, "engine_group": _start_engines(session, engines, stop)}
         sharing = num_gpus_per_node + (reference.num_gpus_per_node if reference else 0)
-        cpus = num_cpus_per_worker or default_cpus_per_worker(sharing + (engines.num_engines if engines else 0))
+        cpus = num_cpus_per_worker or default_cpus_per_worker(sharing + (engines.num_engines if own_engines else 0))
         if reference:
             ref_actors, ref_nodes = session.start_group(_Reference, "reference", ref_world, cpus, stop)
             _get([a.setup.remote(env, reference.build, reference.args)
                   for a, env in zip(ref_actors, _rank_envs(ref_actors, ref_nodes, cpus, stop))], stop)
             kwargs = {**kwargs, "reference_group": ReferenceGroup(ref_actors)}
-        actors, nodes = session.start_group(_Rank, "rank", world, cpus, stop)
+        if engines is not None and engines.colocate:  # the engines load (and sleep) before the ranks take memory
+            group = session.reserve("rank", world, cpus)
+            kwargs = {**kwargs, "engine_group": _start_engines(session, engines, stop, group)}
+            actors, nodes = session.place(_Rank, "rank", group, world, stop, share=1 - ENGINE_SHARE)
+        else:
+            actors, nodes = session.start_group(_Rank, "rank", world, cpus, stop)
         envs = _rank_envs(actors, nodes, cpus, stop)
         inbox = ray.remote(num_cpus=0)(_Inbox).remote()
         session.actors.append(inbox)
@@ -384,42 +392,65 @@ class _Session:
 
     def start_group(self, cls, name: str, world: int, cpus: int, stop: StopSignals, init_args: tuple = (),
                     gpus_per_actor: int = 1, init_kwargs: dict | None = None):
-        """``world`` actors of ``cls(*init_args, **init_kwargs)``, one per bundle of a new placement group; prints where each
-        runs (waiting for every constructor)."""
+        """``world`` actors of ``cls(*init_args, **init_kwargs)``, one per bundle of a new placement group; prints where
+        each runs (waiting for every constructor)."""
+        group = self.reserve(name, world, cpus, gpus_per_actor)
+        return self.place(cls, name, group, world, stop, init_args, init_kwargs)
+
+    def reserve(self, name: str, world: int, cpus: int, gpus_per_actor: int = 1):
+        """A placement group of ``world`` bundles of ``cpus`` CPUs and, where the cluster has enough, GPUs."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpus = gpus_per_actor if ray.cluster_resources().get("GPU", 0) >= world * gpus_per_actor else 0
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         print(f"ray: placing {world} {name} actors, one per bundle of {bundle}", flush=True)
         group = placement_group([bundle] * world, strategy="PACK")
         self.groups.append(group)
+        return group
+
+    def place(self, cls, name: str, group, count: int, stop: StopSignals, init_args: tuple = (),
+              init_kwargs: dict | None = None, share: float = 1.0):
+        """``count`` actors on bundles 0.. of ``group``, each claiming ``share`` of its bundle's CPUs and GPUs
+        (less than 1 where two actors share a bundle: ``--colocate_all_models``)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         _get([group.ready()], stop)
         remote = ray.remote(cls)
-        for rank in range(world):
-            self.actors.append(remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=(
-                PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank))).remote(
-                *init_args, **(init_kwargs or {})))
-        actors = self.actors[-world:]
+        for index in range(count):
+            bundle = group.bundle_specs[index]
+            self.actors.append(remote.options(
+                num_cpus=bundle["CPU"] * share, num_gpus=bundle.get("GPU", 0) * share,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
+                                                                     placement_group_bundle_index=index),
+            ).remote(*init_args, **(init_kwargs or {})))
+        actors = self.actors[-count:]
         placed = _get([a.node.remote() for a in actors], stop)
-        for rank, (node, pid) in enumerate(placed):
-            print(f"ray: {name} {rank} pid {pid} on node {node}", flush=True)
+        for index, (node, pid) in enumerate(placed):
+            print(f"ray: {name} {index} pid {pid} on node {node}", flush=True)
         return actors, [node for node, _ in placed]
 
 
-def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals):
-    """The engine actors, ready (model loaded), as the ``EngineGroup`` every rank is handed."""
+def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals, ranks=None):
+    """The engine actors, ready (model loaded), as the ``EngineGroup`` every rank is handed. ``ranks``: the ranks'
+    placement group, for colocated engines (engine i on rank i's bundle, asleep until the first generation)."""
     from openpack.rollout.engines import EngineGroup
     from openpack.rollout.vllm_engine import VLLMEngine
 
     class _Engine(_Placed, VLLMEngine):
         """A vLLM rollout engine in a Ray actor, placed like every other actor."""
 
-    actors, _ = session.start_group(_Engine, "vllm engine", spec.num_engines, 1, stop, (spec.model_path,),
-                                    spec.tensor_parallel_size, dict(spec.options,
-                                                                    tensor_parallel_size=spec.tensor_parallel_size))
-    return EngineGroup(actors, remote=True)
+    init_kwargs = dict(spec.options, tensor_parallel_size=spec.tensor_parallel_size)
+    if ranks is None:
+        actors, _ = session.start_group(_Engine, "vllm engine", spec.num_engines, 1, stop, (spec.model_path,),
+                                        spec.tensor_parallel_size, init_kwargs)
+        return EngineGroup(actors, remote=True)
+    actors, _ = session.place(_Engine, "vllm engine", ranks, spec.num_engines, stop, (spec.model_path,),
+                              init_kwargs, share=ENGINE_SHARE)
+    group = EngineGroup(actors, remote=True)
+    group.sleep()
+    return group
 
 
 def _get(refs: list, stop: StopSignals) -> list:

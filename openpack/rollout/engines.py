@@ -100,8 +100,9 @@ class EngineGroup:
     def sleep(self) -> None:
         self.broadcast_call("sleep")
 
-    def wake_up(self) -> None:
-        self.broadcast_call("wake_up")
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """``tags``: vLLM's "weights" or "kv_cache" (None: both); see ``trainers/colocation.py`` for the order."""
+        self.broadcast_call("wake_up", tags)
 
     def broadcast_call(self, method: str, *args) -> list:
         """``engine.method(*args)`` on every engine (the arguments put in Ray's object store once)."""

