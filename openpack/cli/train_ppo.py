@@ -2,10 +2,12 @@
 
 One command with two defaults: ``train_grpo`` is ``train_ppo --advantage_estimator
 group_norm --n_samples_per_prompt 8``. With no ``--pretrain`` and no
-``--prompt_data`` it runs the built-in demo: the SFT demo model (trained
-first and cached), which answers the addition task right but wordily,
-learns to answer in the bare form from the exact-match reward alone, and
-held-out exact match is reported before and after.
+``--prompt_data`` each runs a built-in demo from the SFT demo model (trained
+first and cached), which answers the addition task right but wordily:
+``train_grpo`` learns the bare form from the exact-match reward alone;
+``train_ppo`` learns it from the reward-model demo's model (trained first and
+cached), with a critic and GAE. Held-out exact match is reported before and
+after.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from openpack.core.rl_losses import LOSS_AGG_MODES
 from openpack.orchestration.launch import launch, launched_by_environment
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "grpo.yaml"
+PPO_DEMO_CONFIG = DEMO_CONFIG.with_name("ppo.yaml")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")  # a baseline from the prompt's group
 
 
@@ -84,6 +87,11 @@ class RolloutConfig:
     top_p: float = arg(1.0, "nucleus sampling: the smallest set of tokens with this much probability", above=0,
                        at_most=1)
     num_episodes: int = arg(1, "passes over the prompts", at_least=1)
+    async_train: bool = arg(False, "generate the next rollout batches with the current weights while training on "
+                            "this one (vLLM engines; docs/rl.md, Asynchronous training)")
+    max_staleness: int = arg(1, "with --async_train: rollout batches generated ahead of training, so the most policy "
+                             "versions between sampling a rollout and training on it (0: the synchronous loop)",
+                             at_least=0)
     colocate_all_models: bool = arg(False, "policy, reference, reward models and vLLM share the training ranks' "
                                     "devices, taking turns: vLLM sleeps while DeepSpeed trains, DeepSpeed's states "
                                     "are offloaded while vLLM generates (docs/rl.md, Placement)")
@@ -94,8 +102,8 @@ class RolloutConfig:
 @dataclass
 class RLConfig:
     advantage_estimator: str = arg("reinforce", "how rewards become advantages (docs/rl.md): group_norm (GRPO), "
-                                   "dr_grpo, rloo, reinforce (REINFORCE++), reinforce_baseline",
-                                   choices=list(ADVANTAGE_ESTIMATORS))
+                                   "dr_grpo, rloo, reinforce (REINFORCE++), reinforce_baseline, gae (PPO with a critic)",
+                                   choices=[*ADVANTAGE_ESTIMATORS, "gae"])
     init_kl_coef: float = arg(0.0, "KL(policy || reference) coefficient: in the reward per token, or with "
                               "--use_kl_loss a loss term; 0 loads no reference model (TRL's default; "
                               "OpenRLHF's is 0.01)", at_least=0)
@@ -115,12 +123,54 @@ class RLConfig:
                                     "answer {'rewards': [...]})")
     remote_rm_timeout: float = arg(60.0, "seconds a --remote_rm_url request may take before it is retried", above=0)
     ref_pretrain: str | None = arg(None, "reference model of the KL term; default: --pretrain")
+    target_kl: float | None = arg(None, "adaptive KL controller (Ziegler et al.): the coefficient of the reward's KL "
+                                  "penalty moves toward this KL per token", above=0,
+                                  special={None: "--init_kl_coef stays fixed"})
+    kl_horizon: int = arg(10000, "adaptive KL controller: completions over which the coefficient adapts", at_least=1)
+    reward_pretrain: list[str] | None = arg(None, "reward models saved by openpack train_rm (one or several), scoring "
+                                            "prompt + completion; their saved normalisation applies")
+    reward_weights: list[float] | None = arg(None, "weights of a sum over --reward_pretrain models",
+                                             special={None: "1 each"})
+    reward_clip_range: list[float] | None = arg(None, "two values: rewards are clipped to [low, high], e.g. -10 10",
+                                                special={None: "no clipping"})
+    overlong_buffer_len: int | None = arg(None, "DAPO's overlong penalty: completions longer than "
+                                          "--generate_max_len minus this lose up to --overlong_penalty_factor",
+                                          at_least=1, special={None: "off"})
+    overlong_penalty_factor: float = arg(1.0, "the overlong penalty at --generate_max_len tokens", at_least=0)
+    dynamic_filtering: bool = arg(False, "DAPO's dynamic sampling: groups whose completions all score the same (or "
+                                  "whose mean is outside --dynamic_filtering_reward_range) are dropped and replaced")
+    dynamic_filtering_reward_range: list[float] | None = arg(None, "two values: keep groups whose mean reward is "
+                                                             "strictly between them, e.g. 0 1",
+                                                             special={None: "drop only groups of equal rewards"})
+    lambd: float = arg(1.0, "GAE's lambda (--advantage_estimator gae)", at_least=0, at_most=1)
+    critic_pretrain: str | None = arg(None, "the critic's start (--advantage_estimator gae): a reward model or a "
+                                      "causal LM (a new value head)",
+                                      special={None: "the first --reward_pretrain, else --pretrain"})
+    critic_learning_rate: float = arg(9e-6, "peak learning rate of the critic (same schedule as the policy's)",
+                                      above=0)
+    value_clip: float | None = arg(0.5, "the critic's value clipping: a new value moves at most this far from the "
+                                   "rollout's value in the loss", above=0, special={None: "no clipping"})
+    freezing_actor_steps: int = arg(0, "rollout batches that train only the critic first (GAE)", at_least=0)
 
     def validate(self):
         if self.eps_clip_low_high is not None and len(self.eps_clip_low_high) != 2:
             raise ConfigError(f"--eps_clip_low_high takes two values (low high), got {self.eps_clip_low_high}")
-        if self.reward_fn and self.remote_rm_url:
-            raise ConfigError("give one reward: --reward_fn or --remote_rm_url, not both")
+        if self.reward_fn and self.remote_rm_url or self.remote_rm_url and self.reward_pretrain:
+            raise ConfigError("give one reward: --reward_fn, --remote_rm_url or --reward_pretrain (with --reward_fn "
+                              "combining the reward models' scores), not two")
+        for flag in ("reward_clip_range", "dynamic_filtering_reward_range"):
+            value = getattr(self, flag)
+            if value is not None and (len(value) != 2 or value[0] >= value[1]):
+                raise ConfigError(f"--{flag} takes two values, low < high; got {value}")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_pretrain or []):
+            raise ConfigError(f"--reward_weights gives {len(self.reward_weights)} weight(s) for "
+                              f"{len(self.reward_pretrain or [])} --reward_pretrain model(s); give one each")
+        if self.dynamic_filtering_reward_range and not self.dynamic_filtering:
+            raise ConfigError("--dynamic_filtering_reward_range needs --dynamic_filtering")
+        critic_only = ("critic_pretrain", "freezing_actor_steps")
+        if self.advantage_estimator != "gae" and any(getattr(self, f) for f in critic_only):
+            raise ConfigError(f"--critic_pretrain and --freezing_actor_steps need a critic: --advantage_estimator "
+                              f"gae (got {self.advantage_estimator})")
 
 
 @dataclass
@@ -132,7 +182,7 @@ class GRPORolloutConfig(RolloutConfig):
 @dataclass
 class GRPOConfig(RLConfig):
     advantage_estimator: str = arg("group_norm", RLConfig.__dataclass_fields__["advantage_estimator"].metadata["help"],
-                                   choices=list(ADVANTAGE_ESTIMATORS))
+                                   choices=[*ADVANTAGE_ESTIMATORS, "gae"])
 
 
 CONFIGS = (ModelConfig, PromptDataConfig, RLTrainConfig, OutputConfig, RolloutConfig, RLConfig, LaunchConfig)
@@ -168,6 +218,13 @@ def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) ->
     if rl_cfg.vllm_is_correction_cap and rollout_cfg.rollout_backend == "hf":
         raise ConfigError("--vllm_is_correction_cap corrects vLLM's sampling mismatch; with --rollout_backend hf "
                           "the policy samples itself: drop it")
+    if rollout_cfg.async_train:
+        from openpack.trainers.ppo_worker import resolved_backend
+
+        if resolved_backend(rollout_cfg) == "hf":
+            raise ConfigError(f"--async_train overlaps vLLM's generation with training; with --rollout_backend "
+                              f"{rollout_cfg.rollout_backend} (HF) the policy generates itself and nothing overlaps: "
+                              "drop --async_train, or use --rollout_backend vllm")
     if world > 1:
         from openpack.trainers.ppo_worker import resolved_backend
 
@@ -207,7 +264,8 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
     from openpack.models.loading import ModelLoadError
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    argv, demo_notice = with_demo_defaults(argv, command, DEMO_CONFIG, data_flag="--prompt_data")
+    demo_config = PPO_DEMO_CONFIG if command == "train_ppo" else DEMO_CONFIG
+    argv, demo_notice = with_demo_defaults(argv, command, demo_config, data_flag="--prompt_data")
     try:
         configs = parse_config(argv, f"openpack {command}", __doc__.split("\n\n")[0], *config_classes)
         model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = configs
@@ -224,6 +282,11 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
     try:
         with own_save_path(out_cfg, launched_by_environment()):
             demo_model = demo_sft_model(launch_cfg, train_cfg.seed) if model_cfg.pretrain is None else None
+            if demo_model is not None and rl_cfg.advantage_estimator == "gae" and not rl_cfg.reward_pretrain \
+                    and not (rl_cfg.reward_fn or rl_cfg.remote_rm_url):  # the PPO demo: RM -> PPO
+                from openpack.cli.train_rm import demo_rm_model
+
+                rl_cfg.reward_pretrain = [str(demo_rm_model(launch_cfg, train_cfg.seed))]
             engines = _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model)
             return launch(run_ppo, configs[:-1], {"demo_model": demo_model,
                                                       "save_config": functools.partial(save_all, configs)},

@@ -55,6 +55,22 @@ class RewardConfig:
 CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, RewardConfig, LaunchConfig)
 
 
+def demo_rm_model(launch_cfg: LaunchConfig, seed: int) -> Path:
+    """The reward model the PPO demo scores with: this command's demo with ``--normalize_reward`` and that
+    ``--seed``, cached like the SFT demo model (a folder named by a digest of the recipes and the code)."""
+    from openpack.cli.train_sft import DEMO_CONFIG as SFT_DEMO_CONFIG
+    from openpack.trainers import demo
+
+    cache = demo.cache_root() / f"demo_rm-{demo.code_key(DEMO_CONFIG, SFT_DEMO_CONFIG)}-seed{seed}"
+    if not (cache / "model" / "config.json").exists():
+        print(f"openpack: training the reward-model demo first (cached in {cache})")
+        launch_flags = ["--launcher", launch_cfg.launcher] + (["--ray_address", launch_cfg.ray_address]
+                                                              if launch_cfg.ray_address else [])
+        if main(["--save_path", str(cache), "--seed", str(seed), "--normalize_reward", *launch_flags]) != 0:
+            raise RuntimeError("the reward-model demo run failed; see its output above")
+    return cache / "model"
+
+
 def main(argv: list[str] | None = None) -> int:
     from openpack.data.loading import DataError
     from openpack.models.loading import ModelLoadError

@@ -194,8 +194,9 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 
 
 def save_checkpoint(engine, tokenizer, ckpt_path, step: int, client_state: dict, max_ckpt_num: int, is_main: bool,
-                    state: RunState) -> Path:
-    """DeepSpeed checkpoint + HF folder + manifest for ``step``; returns its directory."""
+                    state: RunState, companions: dict | None = None) -> Path:
+    """DeepSpeed checkpoint + HF folder + manifest for ``step``; returns its directory. ``companions`` are other
+    engines trained alongside (``name -> engine``, e.g. PPO's critic), each saved in its own subfolder."""
     ckpt_path = Path(ckpt_path)
     tag = f"{TAG_PREFIX}{step}"
     staging = ckpt_path / f".{tag}.tmp"
@@ -207,6 +208,8 @@ def save_checkpoint(engine, tokenizer, ckpt_path, step: int, client_state: dict,
             shutil.rmtree(staging, ignore_errors=True)
         barrier()
         engine.save_checkpoint(str(ckpt_path), tag=staging.name, client_state=client_state, save_latest=False)
+        for name, companion in (companions or {}).items():
+            companion.save_checkpoint(str(staging), tag=name, save_latest=False)
         torch.save(rng_state(), staging / f"rng_rank{torch.distributed.get_rank()}.pt")
         save_hf_model(engine, tokenizer, staging / "hf_model", is_main)  # ends with a barrier: every rank wrote
         if is_main:
@@ -396,11 +399,18 @@ def check_resumable(folder: Path, saved: RunState, now: RunState, step: int) -> 
     return changes
 
 
-def load_checkpoint(engine, folder: Path) -> dict:
-    """Restore model, optimizer, scheduler and this rank's RNG from a verified checkpoint; its client state."""
+def load_checkpoint(engine, folder: Path, companions: dict | None = None) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG from a verified checkpoint (and each companion engine
+    from its subfolder); returns the client state."""
     folder = Path(folder)
     path, client_state = engine.load_checkpoint(str(folder.parent), tag=folder.name)
     if path is None:
         raise CheckpointDamaged(f"DeepSpeed could not load {folder} (see its log above)")
+    for name, companion in (companions or {}).items():
+        if not (folder / name).is_dir():
+            raise CheckpointDamaged(f"{folder} has no {name}/ (saved by a run without a {name}); resume with the "
+                                    f"flags of the run that wrote it, or start anew")
+        if companion.load_checkpoint(str(folder), tag=name)[0] is None:
+            raise CheckpointDamaged(f"DeepSpeed could not load the {name} of {folder} (see its log above)")
     set_rng_state(torch.load(folder / f"rng_rank{torch.distributed.get_rank()}.pt", weights_only=False))
     return client_state

@@ -60,6 +60,28 @@ class PackedRewardModel(torch.nn.Module):
         return getattr(self.model, HEAD)(hidden[last]).float()[:, 0]
 
 
+class PackedValueModel(torch.nn.Module):
+    """The critic DeepSpeed wraps for PPO: the reward model's architecture, its head read at every position.
+
+    ``forward(batch)`` returns one fp32 value per position laid out like ``batch.labels`` flattened (as
+    ``PackedCausalLM`` lays out log-probs): the value at position t is the critic's estimate before token t + 1,
+    so the values at a completion's labelled positions are V(s_t) of each of its tokens.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch) -> torch.Tensor:
+        if isinstance(batch, PackedBatch):
+            hidden = packed_forward(self.model, batch)  # [T, H]
+        else:
+            output = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                              use_cache=False)
+            hidden = output.last_hidden_state.flatten(0, 1)  # [B * L, H]
+        return getattr(self.model, HEAD)(hidden).float()[:, 0]
+
+
 def describe_model(pretrain: str) -> str:
     """What a model folder holds, in words: its architectures and labels (for errors about the wrong kind)."""
     path = Path(pretrain) / "config.json"

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openpack.core.advantages import kl, sequence_advantages, token_returns, whiten, whitens
+from openpack.core.advantages import (clip_rewards, gae, kl, overlong_penalty, sequence_advantages, token_returns,
+                                      token_rewards, whiten, whitens)
 from openpack.core.batch import Segment
-from openpack.core.rl_losses import PolicyLossParams, policy_terms, token_weights
+from openpack.core.rl_losses import PolicyLossParams, policy_terms, token_weights, value_terms
 from openpack.core.schedule import Batching, RankStep, plan_run, plan_scoring
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo, all_gather_objects, all_reduce_sum, broadcast_object
@@ -52,6 +53,18 @@ class RLSettings:
     use_kl_loss: bool
     gamma: float = 1.0
     updates_per_rollout: int = 1  # optimizer steps per rollout batch over all PPO epochs
+    lambd: float = 1.0  # GAE
+    value_clip: float | None = None
+    freezing_actor_steps: int = 0  # rollout batches that train only the critic
+    overlong_buffer_len: int | None = None  # DAPO's overlong penalty
+    overlong_penalty_factor: float = 1.0
+    reward_clip_range: tuple[float, float] | None = None
+    async_staleness: int = 0  # --max_staleness under --async_train: rollouts may be this many versions old
+
+    @property
+    def critic(self) -> bool:
+        """PPO with a learned value function (GAE) rather than a critic-free estimator."""
+        return self.advantage_estimator == "gae"
 
     @property
     def reward_kl(self) -> bool:
@@ -64,7 +77,8 @@ class RLSettings:
 
     @property
     def needs_old_pass(self) -> bool:
-        return self.updates_per_rollout > 1 or self.reward_kl
+        # a rollout sampled by an older policy needs the current one's log-probs as the ratio's denominator
+        return self.updates_per_rollout > 1 or self.reward_kl or self.async_staleness > 0
 
 
 @dataclass
@@ -76,6 +90,7 @@ class Rollouts:
     behaviour: list[list[float]]  # the engine's log-prob of each completion token
     finished: list[bool]
     rewards: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version (weight syncs so far) that sampled each
 
     def segments(self, k: int) -> list[Segment]:
         prompt, completion = self.prompt_tokens[k], self.completion_tokens[k]
@@ -130,20 +145,27 @@ def score_share(rollouts: Rollouts, scorers: dict, max_tokens: int, dist: DistIn
     return merged
 
 
-def advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, ref: dict | None) -> list[torch.Tensor]:
-    """Each completion's per-token advantage (the same computation on every rank: it holds the whole batch)."""
+def advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, ref: dict | None,
+               values: dict | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Each completion's per-token advantages, and with a critic its per-token returns (the value targets); the
+    same computation on every rank, which holds the whole batch."""
     lengths = rollouts.response_lengths()
-    scalars = sequence_advantages(torch.tensor(rollouts.rewards), settings.n_samples_per_prompt,
-                                  settings.advantage_estimator)
     segment_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     penalty = None
     if settings.reward_kl:
         penalty = -settings.kl_coef * torch.cat([kl(old[k], ref[k], settings.policy.kl_estimator)
                                                  for k in range(len(lengths))])
+    if settings.critic:
+        rewards = token_rewards(torch.tensor(rollouts.rewards), segment_ids, penalty)
+        advantage, returns = gae(rewards, torch.cat([values[k] for k in range(len(lengths))]), segment_ids,
+                                 settings.gamma, settings.lambd)
+        return list(whiten(advantage).split(lengths)), list(returns.split(lengths))
+    scalars = sequence_advantages(torch.tensor(rollouts.rewards), settings.n_samples_per_prompt,
+                                  settings.advantage_estimator)
     returns = token_returns(scalars, segment_ids, penalty, settings.gamma)
     if whitens(settings.advantage_estimator):
         returns = whiten(returns)
-    return list(returns.split(lengths))
+    return list(returns.split(lengths)), None
 
 
 @dataclass
@@ -157,6 +179,9 @@ class StepParts:
     behaviour: list[torch.Tensor]
     old: dict | None
     ref: dict | None
+    critic: object = None  # the critic's engine (GAE)
+    values: dict | None = None  # the critic's values at rollout time, per sample
+    returns: list[torch.Tensor] | None = None  # the critic's targets
 
 
 def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> dict:
@@ -200,6 +225,33 @@ def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInf
             **({"kl_loss": kl_sum / tokens} if settings.use_kl_loss else {}), "grad_norm": grad_norm}
 
 
+def critic_update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> dict:
+    """One optimizer step of the critic over the same planned micro-batches: the clipped value loss, weighed per
+    token over the step's completion tokens (as OpenRLHF's critic averages over tokens)."""
+    engine, sums = parts.critic, torch.zeros(4, dtype=torch.float64)
+    micro_batches = parts.batcher.collate(step.micro_batches)
+    grad_norm = 0.0
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        engine.set_gradient_accumulation_boundary(last)
+        batch = batch.to(dist.device)
+        values = response_values(batch, engine(batch))
+        terms = value_terms(values, in_batch_order(batch, parts.values, dist.device),
+                            in_batch_order(batch, parts.returns, dist.device), settings.value_clip)
+        loss = (terms.loss / step.label_tokens[0]).sum()
+        engine.backward(loss * dist.world_size)
+        if last:
+            grad_norm = optimizer_step(engine)
+        else:
+            engine.step()
+        sums += torch.tensor([loss.item(), terms.clipped.sum().item(), values.detach().sum().item(), values.numel()],
+                             dtype=torch.float64)
+    loss, clipped, value_sum, tokens = all_reduce_sum(sums.tolist(), dist.device)
+    tokens = max(tokens, 1)
+    return {"critic_loss": loss, "value_clip_ratio": clipped / tokens, "values": value_sum / tokens,
+            "critic_grad_norm": grad_norm}
+
+
 def plan_updates(rollouts: Rollouts, train_cfg, settings: RLSettings, world_size: int, seed: int) -> list[list[RankStep]]:
     """The optimizer steps over this rollout batch (``--train_batch_size`` completions each, ``--max_epochs`` passes),
     packed by the same planner as SFT and DPO: ``[rank][step]``."""
@@ -211,27 +263,40 @@ def plan_updates(rollouts: Rollouts, train_cfg, settings: RLSettings, world_size
 
 
 def train_on(rollouts: Rollouts, engine, scorers: dict, settings: RLSettings, train_cfg, dist: DistInfo,
-             pad_token_id: int, seed: int) -> tuple[dict, dict]:
-    """Experience (scoring, advantages) and every update of one rollout batch; returns (metrics, timings)."""
+             pad_token_id: int, seed: int, critic=None, train_actor: bool = True) -> tuple[dict, dict]:
+    """Experience (scoring, advantages) and every update of one rollout batch; returns (metrics, timings).
+    ``critic``: the critic's engine (GAE; also in ``scorers`` as ``values``); ``train_actor`` False: only the
+    critic learns (``--freezing_actor_steps``)."""
     start = time.perf_counter()
     scored = score_share(rollouts, scorers, train_cfg.max_tokens_per_gpu, dist)
-    old, ref = scored.get("old"), scored.get("ref")
-    per_token = advantages(rollouts, settings, old, ref)
+    old, ref, values = scored.get("old"), scored.get("ref"), scored.get("values")
+    per_token, returns = advantages(rollouts, settings, old, ref, values)
     lengths = rollouts.response_lengths()
     parts = StepParts(engine, MicroBatcher(rollouts.segments, train_cfg.packing_samples, pad_token_id), lengths,
-                      per_token, [torch.tensor(b) for b in rollouts.behaviour], old, ref)
+                      per_token, [torch.tensor(b) for b in rollouts.behaviour], old, ref, critic, values, returns)
     experience_s = time.perf_counter() - start
     start = time.perf_counter()
     steps = plan_updates(rollouts, train_cfg, settings, dist.world_size, seed)[dist.rank]
-    engine.train()
-    results = [update(parts, step, settings, dist) for step in steps]
+    results = []
+    for step in steps:
+        result = {}
+        if critic is not None:
+            critic.train()
+            result.update(critic_update(parts, step, settings, dist))
+        if train_actor:
+            engine.train()
+            result.update(update(parts, step, settings, dist))
+        results.append(result)
     training_s = time.perf_counter() - start
     flat = torch.cat(per_token)
     metrics = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
     tokens_per_s = sum(s.real_tokens for s in steps) / training_s  # every rank plans every rank's tokens
-    metrics.update({"loss": metrics["policy_loss"], "tokens_per_s": tokens_per_s, "training_tokens_per_s": tokens_per_s,
+    metrics.update({"loss": metrics.get("policy_loss", metrics.get("critic_loss")), "tokens_per_s": tokens_per_s,
+                    "training_tokens_per_s": tokens_per_s,
                     "advantages/mean": flat.mean().item(), "advantages/std": flat.std().item() if flat.numel() > 1
                     else 0.0, "optimizer_steps": len(steps)})
+    if returns is not None:
+        metrics["returns"] = torch.cat(returns).mean().item()
     if ref is not None and old is not None:
         metrics["kl"] = torch.cat([kl(old[k], ref[k], settings.policy.kl_estimator)
                                    for k in range(len(lengths))]).mean().item()
@@ -255,11 +320,26 @@ def shared_rollouts(local: Rollouts | None, dist: DistInfo, generated_on_all_ran
     if not generated_on_all_ranks:
         return broadcast_object(local)
     parts = all_gather_objects(local)
-    return Rollouts(*[[x for part in parts for x in getattr(part, name)] for name in
-                      ("prompt_tokens", "completion_tokens", "behaviour", "finished")])
+    return Rollouts(**{name: [x for part in parts for x in getattr(part, name)] for name in
+                       ("prompt_tokens", "completion_tokens", "behaviour", "finished", "versions")})
 
 
-def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist: DistInfo, where: str) -> list[float]:
+def shaped_rewards(raw: list[float], response_lengths: list[int], settings: RLSettings) -> tuple[list[float], dict]:
+    """The source's rewards plus DAPO's overlong penalty, then clipped to --reward_clip_range; with metrics."""
+    rewards, metrics = torch.tensor(raw, dtype=torch.float32), {}
+    if settings.overlong_buffer_len:
+        penalty = overlong_penalty(torch.tensor(response_lengths), settings.generate_max_len,
+                                   settings.overlong_buffer_len, settings.overlong_penalty_factor)
+        rewards = rewards + penalty
+        metrics["reward/overlong_penalty"] = penalty.mean().item()
+    if settings.reward_clip_range is not None:
+        metrics["reward/source"] = sum(raw) / len(raw)
+        rewards = clip_rewards(rewards, settings.reward_clip_range)
+    return rewards.tolist(), metrics
+
+
+def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist: DistInfo, where: str,
+                   sequences: list[list[int]] | None = None) -> list[float]:
     """Rank 0 asks the reward source (once per batch); every rank gets the answer, or raises rank 0's error, so no
     rank is left waiting in a collective when a reward fails."""
     from openpack.trainers.rewards import RewardError
@@ -267,7 +347,7 @@ def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist:
     answer = None
     if dist.is_main:
         try:
-            answer = (reward(*texts, batch=where), None)
+            answer = (reward(*texts, batch=where, sequences=sequences), None)
         except RewardError as err:
             answer = (None, str(err))
     values, error = broadcast_object(answer)

@@ -18,22 +18,27 @@ uninterrupted one did.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from openpack.core.advantages import kl_controller
 from openpack.core.rl_losses import PolicyLossParams
 from openpack.core.packing import shuffled_epoch
 from openpack.core.schedule import RankPlan, RankStep
 from openpack.data.loading import DataError, load_rows
 from openpack.data.prompts import Prompt, tokenize_prompts
 from openpack.models.loading import load_causal_lm, load_tokenizer
-from openpack.rollout.types import SamplingConfig
 from openpack.trainers import demo, reference
-from openpack.trainers.ppo import RLSettings, Rollouts, rollout_metrics, shared_rewards, shared_rollouts, train_on
-from openpack.trainers.rewards import checked, exact_match, exact_match_reward, load_reward_fn, remote_reward
+from openpack.trainers.generation import Generator, RolloutPipeline, make_generator, vllm_options  # noqa: F401
+from openpack.trainers.ppo import RLSettings, rollout_metrics, shaped_rewards, shared_rewards, train_on
+from openpack.trainers.rewards import (checked, exact_match, exact_match_reward, load_reward_fn, remote_reward,
+                                       reward_models)
+from openpack.distributed.checkpoint import save_hf_model
+from openpack.trainers.colocation import Colocation
 from openpack.trainers.run import TrainingRun, start_worker
 
 logger = logging.getLogger("openpack")
@@ -59,12 +64,6 @@ def updates_per_rollout(rollout_cfg, train_cfg) -> int:
         * train_cfg.max_epochs
 
 
-def request_seed(seed: int, step: int, index: int) -> int:
-    """The sampling seed of prompt ``index`` of rollout batch ``step``: the same in a resumed run and any layout."""
-    digest = hashlib.sha256(f"{seed}/{step}/{index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
 def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str]) -> list[Prompt]:
     """The prompts of --prompt_data (mixed by --prompt_data_probs, cut to --max_samples), tokenized."""
     rows = load_rows(datasets, data_cfg.prompt_data_probs, seed, data_cfg.skip_bad_samples)
@@ -81,8 +80,12 @@ def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str]) -> list[Pr
     return prompts
 
 
-def reward_source(rl_cfg, data_cfg, is_demo: bool):
-    """--reward_fn, --remote_rm_url, exact match on --label_key, or (demo) the task's exact match; checked."""
+def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
+    """--reward_pretrain (``scorers``: one per model; with --reward_fn combining them), --reward_fn,
+    --remote_rm_url, exact match on --label_key, or (demo) the task's exact match; checked."""
+    if rl_cfg.reward_pretrain:
+        combine = load_reward_fn(rl_cfg.reward_fn) if rl_cfg.reward_fn else None
+        return checked(reward_models(scorers, rl_cfg.reward_pretrain, rl_cfg.reward_weights, combine))
     if rl_cfg.reward_fn:
         return checked(load_reward_fn(rl_cfg.reward_fn))
     if rl_cfg.remote_rm_url:
@@ -102,7 +105,10 @@ def rl_settings(rollout_cfg, rl_cfg, train_cfg) -> RLSettings:
                               kl_estimator=rl_cfg.kl_estimator, tis_cap=rl_cfg.vllm_is_correction_cap)
     return RLSettings(rollout_cfg.n_samples_per_prompt, rl_cfg.advantage_estimator, rl_cfg.loss_agg_mode,
                       rollout_cfg.generate_max_len, policy, rl_cfg.init_kl_coef, rl_cfg.use_kl_loss, rl_cfg.gamma,
-                      updates_per_rollout(rollout_cfg, train_cfg))
+                      updates_per_rollout(rollout_cfg, train_cfg), rl_cfg.lambd, rl_cfg.value_clip,
+                      rl_cfg.freezing_actor_steps, rl_cfg.overlong_buffer_len, rl_cfg.overlong_penalty_factor,
+                      tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None,
+                      async_staleness=rollout_cfg.max_staleness if rollout_cfg.async_train else 0)
 
 
 def vllm_available() -> bool:
@@ -136,80 +142,10 @@ def prompt_datasets(data_cfg, out_cfg, is_main: bool) -> list[str]:
     return data_cfg.prompt_data or demo.write_prompt_data(Path(out_cfg.save_path), is_main)
 
 
-@dataclass
-class Generator:
-    """Where completions come from: vLLM engines (rank 0 asks them all) or the policy itself (HF, each rank its
-    share).
-
-    HF generation runs in chunks of ``--micro_rollout_batch_size`` prompts, each chunk seeded by its prompts'
-    seeds, and a rank's share is whole chunks: a chunk samples the same completions on whichever rank runs it,
-    so 1 rank and 2 ranks draw the same rollouts (the world-size test relies on it).
-    """
-
-    backend: str
-    engines: object  # EngineGroup (vLLM) or HFEngine
-    sampling: SamplingConfig
-    seed: int
-    chunk: int  # prompts per HF generate call
-
-    def rollouts(self, prompts: list[Prompt], step: int, dist) -> Rollouts:
-        """The completions of ``prompts`` (rollout batch ``step``), on every rank."""
-        seeds = [request_seed(self.seed, step, i) for i in range(len(prompts))]
-        tokens = [p.tokens for p in prompts]
-        on_all = self.backend == "hf"
-        if on_all:
-            chunks = [(lo, min(lo + self.chunk, len(prompts))) for lo in range(0, len(prompts), self.chunk)]
-            first, last = _share(len(chunks), dist.rank, dist.world_size)
-            spans = chunks[first:last]
-        else:
-            spans = [(0, len(prompts))] if dist.is_main else []
-        local = Rollouts([], [], [], [])
-        for lo, hi in spans:
-            for prompt, completions in zip(tokens[lo:hi], self.engines.generate(tokens[lo:hi], self.sampling,
-                                                                                seeds[lo:hi])):
-                for c in completions:
-                    local.prompt_tokens.append(list(prompt))
-                    local.completion_tokens.append(list(c.tokens))
-                    local.behaviour.append(list(c.logprobs))
-                    local.finished.append(bool(c.finished))
-        return shared_rollouts(local, dist, on_all)
-
-
-def _share(count: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank ``rank``'s contiguous [lo, hi) share of ``count`` items (so gathering in rank order keeps the order)."""
-    return count * rank // world, count * (rank + 1) // world
-
-
-def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tokenizer, seed: int, dist,
-                   engine_group=None) -> Generator:
-    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    sampling = SamplingConfig(rollout_cfg.n_samples_per_prompt, rollout_cfg.temperature, rollout_cfg.top_p,
-                              rollout_cfg.generate_max_len, stop)
-    if backend == "hf":
-        from openpack.rollout.hf_engine import HFEngine
-
-        engines = HFEngine(policy_model, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    elif engine_group is not None:
-        engines = engine_group
-    elif dist.is_main:  # no driver (one process, torchrun): rank 0 runs the engines in its own process
-        from openpack.rollout.engines import EngineGroup
-        from openpack.rollout.vllm_engine import VLLMEngine
-
-        engines = EngineGroup([VLLMEngine(model_path, seed=seed, **vllm_options(rollout_cfg))
-                               for _ in range(rollout_cfg.vllm_num_engines)], remote=False)
-    else:
-        engines = None
-    return Generator(backend, engines, sampling, seed, rollout_cfg.micro_rollout_batch_size)
-
-
-def vllm_options(rollout_cfg) -> dict:
-    return {"tensor_parallel_size": rollout_cfg.vllm_tensor_parallel_size,
-            "gpu_memory_utilization": rollout_cfg.vllm_gpu_memory_utilization}
-
-
 def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_model=None, save_config=None,
-            engine_group=None, plan=None) -> int:
-    """One rank's RL run; ``engine_group``: the driver's vLLM engine actors (Ray), else engines are made here."""
+            engine_group=None, plan=None, reward_groups=None) -> int:
+    """One rank's RL run; ``engine_group``: the driver's vLLM engine actors (Ray), else engines are made here;
+    ``reward_groups``: the driver's reward-model actor groups (Ray), else rank 0 loads the reward models."""
     dist = start_worker(model_cfg, train_cfg.seed)
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
@@ -224,11 +160,20 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     settings = rl_settings(rollout_cfg, rl_cfg, train_cfg)
     rank_plan = RankPlan([_planned(i, ids, train_cfg.seed, rollout_cfg) for i, ids in enumerate(schedule)], [],
                          "", datasets)
+    optimizer_steps = len(schedule) * settings.updates_per_rollout
+    critic = critic_engine(rl_cfg, model_cfg, train_cfg, pretrain, tokenizer, dist, optimizer_steps) \
+        if settings.critic else None
+    kl_ctl = kl_controller(rl_cfg.init_kl_coef, rl_cfg.target_kl, rl_cfg.kl_horizon)
     run = TrainingRun(model, tokenizer, rank_plan, model_cfg, train_cfg, out_cfg, dist, save_config,
-                      optimizer_steps=len(schedule) * settings.updates_per_rollout)
+                      optimizer_steps=optimizer_steps, companions={"critic": critic} if critic else None,
+                      extra_state=lambda: {"kl_controller": kl_ctl.state_dict()})
+    if "kl_controller" in run.resumed_state:
+        kl_ctl.load_state_dict(run.resumed_state["kl_controller"])
     scorers = {}
     if settings.needs_old_pass:
         scorers["old"] = run.engine
+    if critic is not None:
+        scorers["values"] = critic
     if settings.needs_reference:
         flag = "--ref_pretrain" if rl_cfg.ref_pretrain else "--pretrain"
         ref_model = load_causal_lm(rl_cfg.ref_pretrain or pretrain, model_cfg.bf16, flag=flag).to(dist.device)
@@ -240,19 +185,57 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
                     == "auto" else "")
     generator = make_generator(backend, rollout_cfg, pretrain, run.engine.module.model, tokenizer, train_cfg.seed,
                                dist, engine_group)
+    pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train)
     sync = _weight_sync(backend, rollout_cfg, generator, dist)
-    reward = reward_source(rl_cfg, data_cfg, demo_model is not None)
-    if sync is not None and run.position.global_step:  # resumed: the engines still hold the starting weights
-        _push(sync, run.engine, model_cfg.zero_stage, dist)
-    step = functools.partial(_rl_step, run, generator, sync, reward, scorers, settings, prompts, schedule,
-                             model_cfg, train_cfg, tokenizer, dist)
+    reward = reward_source(rl_cfg, data_cfg, demo_model is not None,
+                           reward_scorers(rl_cfg, model_cfg, train_cfg, dist, reward_groups))
+    colocation = Colocation(generator.engines, [run.engine, critic], functools.partial(
+        _push, sync, run.engine, model_cfg.zero_stage, dist), dist.is_main) if rollout_cfg.colocate_all_models else None
+    if sync is not None and colocation is None and run.position.global_step:  # resumed: the engines still hold
+        _push(sync, run.engine, model_cfg.zero_stage, dist)  # the starting weights (colocated: pushed at each wake)
+    loop = RLLoop(run, pipeline, sync, reward, scorers, settings, prompts, schedule, model_cfg, train_cfg,
+                  tokenizer, dist, critic, kl_ctl, colocation)
+    step = functools.partial(_rl_step, loop)
     with run.tracker:
         if demo_model is not None:
             _report_demo(run, "before")
-        run.train(step)
+        run.train(step, before_save=None if critic is None else functools.partial(
+            save_hf_model, critic, tokenizer, run.save_path / "critic", dist.is_main))
         if demo_model is not None:
             _report_demo(run, "after")
     return 0
+
+
+def critic_engine(rl_cfg, model_cfg, train_cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):
+    """The critic's DeepSpeed engine: --critic_pretrain (default: the first --reward_pretrain, else --pretrain) as a
+    value model, trained at --critic_learning_rate on the policy's schedule."""
+    from dataclasses import replace
+
+    from openpack.distributed.engine import create_engine
+    from openpack.models.reward import PackedValueModel, load_reward_model
+    from openpack.trainers.run import optim_config, zero_config
+
+    path, flag = ((rl_cfg.critic_pretrain, "--critic_pretrain") if rl_cfg.critic_pretrain else
+                  (rl_cfg.reward_pretrain[0], "--reward_pretrain") if rl_cfg.reward_pretrain else (pretrain, "--pretrain"))
+    model = load_reward_model(path, model_cfg.bf16, model_cfg.gradient_checkpointing,
+                              pad_token_id=tokenizer.pad_token_id, flag=flag).to(dist.device)
+    optim = optim_config(replace(train_cfg, learning_rate=rl_cfg.critic_learning_rate), optimizer_steps)
+    return create_engine(PackedValueModel(model), optim, zero_config(model_cfg), dist.world_size)
+
+
+def reward_scorers(rl_cfg, model_cfg, train_cfg, dist, reward_groups) -> list | None:
+    """What scores --reward_pretrain: the driver's actor groups, else (rank 0 only; it alone asks for rewards) the
+    reward models loaded here."""
+    if not rl_cfg.reward_pretrain:
+        return None
+    if reward_groups is not None:
+        return reward_groups
+    if not dist.is_main:
+        return []
+    from openpack.models.reward import RewardScorer
+
+    return [RewardScorer(path, dist.device, train_cfg.max_tokens_per_gpu, model_cfg.bf16)
+            for path in rl_cfg.reward_pretrain]
 
 
 def _planned(index: int, prompt_ids: list[int], seed: int, rollout_cfg) -> RankStep:
@@ -278,28 +261,57 @@ def _push(sync, engine, zero_stage: int, dist) -> float:
     return time.perf_counter() - start
 
 
-def _rl_step(run: TrainingRun, generator: Generator, sync, reward, scorers, settings: RLSettings,
-             prompts: list[Prompt], schedule: list[list[int]], model_cfg, train_cfg, tokenizer, dist,
-             planned: RankStep) -> dict:
+@dataclass
+class RLLoop:
+    """Everything one rollout step uses, built once by ``run_ppo``."""
+
+    run: TrainingRun
+    pipeline: RolloutPipeline  # rollout batches, generated up to --max_staleness ahead with --async_train
+    sync: object  # weight sync to the engines; None with HF rollouts
+    reward: object  # the checked reward source (called on rank 0)
+    scorers: dict  # name -> engine scoring completions per token: old, ref, values
+    settings: RLSettings
+    prompts: list[Prompt]
+    schedule: list[list[int]]
+    model_cfg: object
+    train_cfg: object
+    tokenizer: object
+    dist: object
+    critic: object = None
+    kl_ctl: object = None
+    colocation: Colocation | None = None  # --colocate_all_models: engines wake, get weights, generate, sleep
+
+
+def _rl_step(loop: RLLoop, planned: RankStep) -> dict:
+    run, settings, dist, tokenizer = loop.run, loop.settings, loop.dist, loop.tokenizer
     start = time.perf_counter()
     step = planned.index
-    batch_prompts = [prompts[i] for i in schedule[step]]
+    batch_prompts = [loop.prompts[i] for i in loop.schedule[step]]
     run.engine.eval()
-    with _gathered(run.engine, model_cfg.zero_stage, generator.backend == "hf"):
-        rollouts = generator.rollouts(batch_prompts, step, dist)
+    with _gathered(run.engine, loop.model_cfg.zero_stage, loop.pipeline.generator.backend == "hf"), \
+            loop.colocation or contextlib.nullcontext():
+        rollouts = loop.pipeline.rollouts(step, dist, version=step)  # version: weight syncs so far
     generation_s = time.perf_counter() - start
     n = settings.n_samples_per_prompt
     texts = ([p.text for p in batch_prompts for _ in range(n)],
              tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),
              [p.row for p in batch_prompts for _ in range(n)])
     reward_start = time.perf_counter()
-    rollouts.rewards = shared_rewards(reward, texts, dist, f"rollout batch {step + 1}")
+    sequences = [p + c for p, c in zip(rollouts.prompt_tokens, rollouts.completion_tokens)]
+    raw = shared_rewards(loop.reward, texts, dist, f"rollout batch {step + 1}", sequences)
+    rollouts.rewards, reward_metrics = shaped_rewards(raw, rollouts.response_lengths(), settings)
     reward_s = time.perf_counter() - reward_start
-    metrics, timings = train_on(rollouts, run.engine, scorers, settings, train_cfg, dist,
-                                tokenizer.pad_token_id or 0, train_cfg.seed + step)
-    sync_s = _push(sync, run.engine, model_cfg.zero_stage, dist) if sync is not None else 0.0
-    return {**rollout_metrics(rollouts, generation_s), **metrics, **timings,
-            "time/reward": reward_s, "time/weight_sync": sync_s, "lr": run.engine.get_lr()[0],
+    step_settings = replace(settings, kl_coef=loop.kl_ctl.value) if settings.reward_kl else settings
+    metrics, timings = train_on(rollouts, run.engine, loop.scorers, step_settings, loop.train_cfg, dist,
+                                tokenizer.pad_token_id or 0, loop.train_cfg.seed + step, loop.critic,
+                                train_actor=step >= settings.freezing_actor_steps)
+    if settings.reward_kl:
+        metrics["kl_coef"] = step_settings.kl_coef
+        loop.kl_ctl.update(metrics["kl"], len(rollouts.rewards))
+    sync_s = loop.colocation.push_s if loop.colocation else \
+        _push(loop.sync, run.engine, loop.model_cfg.zero_stage, dist) if loop.sync is not None else 0.0
+    return {**rollout_metrics(rollouts, generation_s), **loop.pipeline.metrics, **reward_metrics, **metrics,
+            **timings, "time/reward": reward_s, "time/weight_sync": sync_s, "lr": run.engine.get_lr()[0],
             "step_time_s": time.perf_counter() - start}
 
 

@@ -10,6 +10,9 @@ values stops the run with a message naming the source and the batch, not a trace
   ``{"query": [prompt + completion, ...], "prompts": [...], "labels": [...]}`` answered with
   ``{"rewards": [...]}``; each request has a timeout, failures are retried a bounded number of times with
   a growing pause, and a server that is down or hangs ends the run with one line naming the URL.
+* ``--reward_pretrain DIR [DIR ...]``: reward models saved by ``openpack train_rm`` score the token ids of
+  prompt + completion, normalised as their config says; several are summed with ``--reward_weights`` or
+  combined by ``--reward_fn`` (called with ``rm_scores=[[...] per model]``).
 * the built-in task: 1.0 when the completion is the right sum in the bare form, else 0.0 (what the DPO and
   RM demos prefer), read from the row's ``response``.
 """
@@ -99,13 +102,34 @@ exact_match_reward = exact_match("response")  # the built-in task: the right sum
 exact_match_reward.reward_name = "the built-in task's exact-match reward"
 
 
-def checked(source: RewardFn) -> Callable[..., list[float]]:
-    """``source`` called on a batch, its answer checked: one finite number per completion, else a RewardError."""
-    name = getattr(source, "reward_name", getattr(source, "__name__", repr(source)))
+def reward_models(scorers: list, names: list[str], weights: list[float] | None = None,
+                  combine: RewardFn | None = None) -> RewardFn:
+    """``--reward_pretrain``: each model scores the token ids of prompt + completion (``scorer.score(sequences)``,
+    normalised by its saved config); the scores are summed with ``weights`` (``--reward_weights``), or handed to
+    ``combine`` (``--reward_fn``) as its keyword ``rm_scores``, one list per model in flag order."""
+    weights = weights or [1.0] * len(scorers)
 
-    def reward(prompts, completions, rows, batch: str = "this batch") -> list[float]:
+    def reward(prompts, completions, rows, sequences):
+        scores = [[float(v) for v in scorer.score(sequences)] for scorer in scorers]
+        if combine is not None:
+            return combine(prompts, completions, rows, rm_scores=scores)
+        return [sum(w * s[i] for w, s in zip(weights, scores)) for i in range(len(sequences))]
+
+    reward.reward_name = f"--reward_pretrain {' '.join(names)}" + (
+        f" combined by {getattr(combine, 'reward_name', 'a function')}" if combine is not None else "")
+    reward.takes_sequences = True
+    return reward
+
+
+def checked(source: RewardFn) -> Callable[..., list[float]]:
+    """``source`` called on a batch, its answer checked: one finite number per completion, else a RewardError.
+    A source marked ``takes_sequences`` (reward models) also gets each prompt + completion's token ids."""
+    name = getattr(source, "reward_name", getattr(source, "__name__", repr(source)))
+    extra = ("sequences",) if getattr(source, "takes_sequences", False) else ()
+
+    def reward(prompts, completions, rows, batch: str = "this batch", sequences=None) -> list[float]:
         try:
-            values = source(prompts, completions, rows)
+            values = source(prompts, completions, rows, *(sequences for _ in extra))
         except RewardError:
             raise
         except Exception as err:  # a user's reward function: name it and the batch, keep the cause

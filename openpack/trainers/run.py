@@ -107,10 +107,15 @@ class TrainingRun:
 
     def __init__(self, model, tokenizer, plan: RankPlan, model_cfg, train_cfg, out_cfg, dist: DistInfo,
                  save_config: Callable[[Path], None] | None = None, module: torch.nn.Module | None = None,
-                 optimizer_steps: int | None = None):
+                 optimizer_steps: int | None = None, companions: dict | None = None,
+                 extra_state: Callable[[], dict] | None = None):
         """``module`` wraps ``model`` for the engine (default ``PackedCausalLM``: per-token log-probs);
-        ``optimizer_steps`` sizes the learning-rate schedule when a planned step holds several (online RL)."""
+        ``optimizer_steps`` sizes the learning-rate schedule when a planned step holds several (online RL);
+        ``companions`` (``name -> engine``, e.g. PPO's critic) are checkpointed and resumed with the policy;
+        ``extra_state()`` adds to each checkpoint's client state (e.g. an adaptive KL coefficient), and a resume
+        leaves the saved client state in ``self.resumed_state``."""
         self.tokenizer, self.dist, self.plan, self.out_cfg = tokenizer, dist, plan, out_cfg
+        self.companions, self.extra_state, self.resumed_state = companions or {}, extra_state, {}
         self.save_path = Path(out_cfg.save_path)
         steps = len(plan.steps)
         self.engine = create_engine(module or PackedCausalLM(model), optim_config(train_cfg, optimizer_steps or steps),
@@ -156,7 +161,8 @@ class TrainingRun:
         folder, saved = found
         step = tag_step(folder.name)
         changes = decided_by_main(lambda: check_resumable(folder, saved, self._state(len(self.plan.steps)), step))
-        state = load_checkpoint(self.engine, folder)
+        state = load_checkpoint(self.engine, folder, self.companions)
+        self.resumed_state = state
         position = Position(**{k: state[k] for k in ("epoch", "step_in_epoch", "global_step")})
         self.notices.append(f"resumed from {self.ckpt_path} at step {position.global_step} ({folder.name})")
         if changes:
@@ -165,8 +171,9 @@ class TrainingRun:
         return position
 
     def save(self, at: Position) -> None:
-        save_checkpoint(self.engine, self.tokenizer, self.ckpt_path, at.global_step, asdict(at),
-                        self.out_cfg.max_ckpt_num, self.dist.is_main, self._state(at.global_step))
+        client_state = {**asdict(at), **(self.extra_state() if self.extra_state else {})}
+        save_checkpoint(self.engine, self.tokenizer, self.ckpt_path, at.global_step, client_state,
+                        self.out_cfg.max_ckpt_num, self.dist.is_main, self._state(at.global_step), self.companions)
 
     def train(self, step: Callable[[RankStep], dict], before_save: Callable[[], None] | None = None) -> Position:
         """Run the steps, then ``before_save()`` (e.g. a reward model's normalisation), then write the final model;

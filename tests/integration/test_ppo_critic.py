@@ -1,0 +1,140 @@
+"""PPO with a critic and a reward model (`openpack train_ppo --advantage_estimator gae --reward_pretrain DIR`) on CPU:
+the actor's and the critic's updates are exact under packing, micro-batching and world size, and a resumed run
+equals an uninterrupted one, critic and adaptive KL coefficient included.
+
+Two rollout batches of 4 prompts x 4 completions (HF generation, seeded per chunk, so every layout samples the
+same completions), cut into optimizer steps of 8 completions, 2 PPO epochs: 4 actor and 4 critic updates per
+batch. The reward is a tiny reward model saved as `openpack train_rm` saves one (a one-label sequence
+classifier with a normalisation in its config); the critic starts from it; the reward's KL penalty has an
+adaptive coefficient; the rewards are clipped and DAPO's overlong penalty applies. Every layout must give the
+same actor and critic losses, grad norms and final weights to 1e-5 in fp32.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from openpack.cli import train_ppo
+from openpack.distributed.process import free_port
+
+from saved_runs import assert_same_run, read_metrics
+
+COMMON = ["--advantage_estimator", "gae", "--gamma", "0.9", "--lambd", "0.8", "--value_clip", "0.2",
+          "--critic_learning_rate", "5e-3", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
+          "--train_batch_size", "8", "--max_epochs", "2", "--generate_max_len", "8", "--prompt_max_len", "32",
+          "--learning_rate", "1e-3", "--seed", "1", "--max_norm", "100", "--adam_epsilon", "1e-6", "--max_steps", "2",
+          "--init_kl_coef", "0.05", "--target_kl", "0.001", "--kl_horizon", "32", "--reward_clip_range", "-1.5", "1.5",
+          "--overlong_buffer_len", "4", "--overlong_penalty_factor", "0.5", "--rollout_backend", "hf",
+          "--launcher", "local"]
+LAYOUTS = {
+    "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96"],
+    "padded_8x1": ["--micro_train_batch_size", "1"],
+    "padded_1x8": ["--micro_train_batch_size", "8"],
+}
+
+
+@pytest.fixture(scope="module")
+def ppo_models(tmp_path_factory):
+    """A random tiny Llama policy, a tiny reward model (another random Llama with a value head and a saved
+    normalisation, as train_rm --normalize_reward saves it), the demo tokenizer and prompts."""
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.reward import load_reward_model, set_normalization
+    from openpack.models.tiny import tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("ppo")
+    tokenizer = build_demo_tokenizer()
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 intermediate_size=128, max_position_embeddings=256)
+    tiny_causal_lm("llama", seed=3, **shape).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    tiny_causal_lm("llama", seed=4, **shape).save_pretrained(root / "rm_base")
+    torch.manual_seed(5)
+    rm = load_reward_model(str(root / "rm_base"), pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        rm.score.weight.mul_(20)  # a random head's rewards are tiny; spread them so clipping and advantages bite
+    set_normalization(rm.config, 0.1, 0.5)
+    rm.save_pretrained(root / "rm")
+    tokenizer.save_pretrained(root / "rm")
+    rng = random.Random(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for _ in range(32):
+            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
+            f.write(json.dumps({"prompt": f"sort: {word}\n"}) + "\n")
+    return root
+
+
+def ppo_argv(save_path, root, *flags):
+    return ["--pretrain", str(root / "model"), "--prompt_data", str(root / "prompts.jsonl"), "--reward_pretrain",
+            str(root / "rm"), "--save_path", str(save_path), *COMMON, *flags]
+
+
+def ppo(save_path, root, *flags):
+    assert train_ppo.main(ppo_argv(save_path, root, *flags)) == 0
+    return save_path
+
+
+def assert_same_critic(a, b, atol=1e-5):
+    from safetensors.torch import load_file
+
+    for x, y in zip(read_metrics(a), read_metrics(b)):
+        for key in ("critic_loss", "critic_grad_norm", "values", "returns", "kl_coef", "reward"):
+            assert abs(x[key] - y[key]) <= atol * max(1.0, abs(y[key])), (key, x, y)
+    wa, wb = load_file(f"{a}/critic/model.safetensors"), load_file(f"{b}/critic/model.safetensors")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, ppo_models):
+    return ppo(tmp_path_factory.mktemp("ppo_packed"), ppo_models, *LAYOUTS["packed_dynamic"])
+
+
+def test_the_critic_learns_and_the_reward_model_scores(reference_run):
+    metrics = read_metrics(reference_run)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        for key in ("critic_loss", "critic_grad_norm", "value_clip_ratio", "values", "returns", "kl", "kl_coef",
+                    "reward/overlong_penalty", "reward/source", "policy_loss"):
+            assert key in m, key
+        assert m["optimizer_steps"] == 4
+        assert m["critic_grad_norm"] > 0 and m["reward_std"] > 0
+        assert -1.5 <= m["reward"] <= 1.5
+    # the adaptive controller moved the coefficient: KL above the target raises it, below lowers it
+    first, second = metrics
+    assert second["kl_coef"] != first["kl_coef"] == pytest.approx(0.05)
+    assert (second["kl_coef"] > first["kl_coef"]) == (first["kl"] > 0.001)
+    assert (reference_run / "critic" / "config.json").exists()  # the critic is exported next to the policy
+
+
+@pytest.mark.parametrize("layout", ["padded_8x1", "padded_1x8"])
+def test_layouts_give_the_same_actor_and_critic(layout, reference_run, tmp_path, ppo_models):
+    run = ppo(tmp_path / layout, ppo_models, *LAYOUTS[layout])
+    assert_same_run(run, reference_run)
+    assert_same_critic(run, reference_run)
+
+
+def test_resumed_run_equals_the_uninterrupted_one(reference_run, tmp_path, ppo_models):
+    """Stopped after the first rollout batch (its checkpoint holds the critic and the KL coefficient), resumed."""
+    flags = [*LAYOUTS["packed_dynamic"], "--save_steps", "1"]
+    ppo(tmp_path / "cut", ppo_models, *flags, "--max_steps", "1")
+    assert train_ppo.main(ppo_argv(tmp_path / "cut", ppo_models, *flags, "--load_checkpoint")) == 0
+    assert_same_run(tmp_path / "cut", reference_run)
+    assert_same_critic(tmp_path / "cut", reference_run)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank(reference_run, tmp_path, ppo_models):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "openpack.cli.main", "train_ppo", *ppo_argv(tmp_path / "two", ppo_models,
+                                                                  *LAYOUTS["packed_dynamic"])]
+    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_run(tmp_path / "two", reference_run)
+    assert_same_critic(tmp_path / "two", reference_run)
