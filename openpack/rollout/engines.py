@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -78,10 +78,17 @@ class EngineGroup:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
         """Each engine generates for its contiguous shard; results in prompt order."""
+        return self.start_generate(prompts, sampling, seeds)()
+
+    def start_generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                       seeds: list[int]) -> Callable[[], list[list[Completion]]]:
+        """``generate`` begun now; the returned function waits for its results. Remote engines work meanwhile, and
+        since an actor runs its calls in order, weights sent after this call reach an engine after these
+        completions (asynchronous training relies on it). Local engines generate when the function is called."""
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
         shards = list(zip(split_contiguous(prompts, self.num_engines), split_contiguous(seeds, self.num_engines)))
-        return self._sharded("generate", [(p, sampling, s) for p, s in shards])
+        return self._start_sharded("generate", [(p, sampling, s) for p, s in shards])
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Raw log-probs of each sequence's tokens 1.. (see ``VLLMEngine.score``), sharded like ``generate``."""
@@ -131,9 +138,15 @@ class EngineGroup:
         return results
 
     def _sharded(self, method: str, per_engine_args: list[tuple]) -> list:
+        return self._start_sharded(method, per_engine_args)()
+
+    def _start_sharded(self, method: str, per_engine_args: list[tuple]) -> Callable[[], list]:
         busy = [i for i, args in enumerate(per_engine_args) if args[0]]  # engines with an empty shard sit out
-        results = self._call_all(method, [per_engine_args[i] for i in busy], busy)
-        return [item for shard in results for item in shard]
+        args = [per_engine_args[i] for i in busy]
+        if self.remote:
+            refs = [getattr(self.engines[i], method).remote(*a) for i, a in zip(busy, args)]
+            return lambda: [item for shard in self.wait(refs, busy) for item in shard]
+        return lambda: [item for shard in self._call_all(method, args, busy) for item in shard]
 
     def _call_all(self, method: str, per_engine_args: list[tuple], indices: list[int] | None = None) -> list:
         indices = list(range(self.num_engines)) if indices is None else indices

