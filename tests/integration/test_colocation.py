@@ -42,3 +42,54 @@ def test_a_turn_wakes_pushes_offloads_generates_sleeps_reloads_and_vllm_scores_w
     assert "on a sleeping vLLM engine" in report["asleep_push"]
     assert report["diff"] < 1e-4, report
     assert report["moved"] > 1e-2, report
+
+
+COMMON = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "8", "--max_epochs", "2",
+          "--generate_max_len", "8", "--prompt_max_len", "32", "--learning_rate", "1e-3", "--seed", "1",
+          "--max_steps", "3", "--init_kl_coef", "0.05", "--packing_samples", "--use_dynamic_batch",
+          "--max_tokens_per_gpu", "96", "--rollout_backend", "vllm", "--colocate_all_models"]
+
+
+@pytest.fixture(scope="module")
+def rl_model(tmp_path_factory):
+    """test_train_ppo's tiny Llama (head_dim 32), the demo tokenizer, sorting prompts and a rule reward."""
+    import random
+
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.tiny import tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("rl")
+    tokenizer = build_demo_tokenizer()
+    tiny_causal_lm("llama", seed=3, vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256).save_pretrained(
+        root / "model")
+    tokenizer.save_pretrained(root / "model")
+    rng = random.Random(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for _ in range(32):
+            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
+            f.write(json.dumps({"prompt": f"sort: {word}\n"}) + "\n")
+    (root / "reward.py").write_text("def reward(prompts, completions, rows):\n"
+                                    "    return [c.count('a') + 0.5 * c.count('e') - 0.1 * len(c) for c in completions]\n")
+    return root
+
+
+@pytest.mark.slow
+def test_a_colocated_ray_run_samples_with_the_trainers_weights_at_every_step(rl_model, tmp_path):
+    """Two Ray ranks under ZeRO-3 with the engine on rank 0's bundle: every rollout is sampled right after a wake
+    and a push, so vLLM's log-probs equal the trainer's at every step (< 1e-4), the first included."""
+    pytest.importorskip("vllm")
+    argv = ["train_grpo", "--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
+            "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path / "run"), *COMMON,
+            "--zero_stage", "3", "--launcher", "ray", "--num_gpus_per_node", "2"]
+    result = subprocess.run([sys.executable, "-m", "openpack.cli.main", *argv], capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "ray: vllm engine 0 pid" in result.stdout
+    assert "ray: placing 1 vllm engine" not in result.stdout  # no placement group of its own
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert m["vllm_logp_diff"] < 1e-4, m
+        assert m["time/weight_sync"] > 0  # pushed at every wake, the first too
+    assert metrics[-1]["kl"] > 0
