@@ -239,6 +239,12 @@ def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) ->
                               "--rollout_backend hf")
     if rollout_cfg.colocate_all_models:
         check_colocation(rollout_cfg, world)
+    if rl_cfg.dynamic_filtering and n < 2:
+        raise ConfigError(f"--dynamic_filtering drops groups whose completions all score the same: set "
+                          f"--n_samples_per_prompt >= 2 (got {n})")
+    if rl_cfg.target_kl is not None and not (rl_cfg.init_kl_coef and not rl_cfg.use_kl_loss):
+        raise ConfigError("--target_kl adapts the KL penalty in the reward: give --init_kl_coef > 0 without "
+                          "--use_kl_loss, or drop --target_kl")
     if rl_cfg.use_kl_loss and not rl_cfg.init_kl_coef:
         raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
 

@@ -26,7 +26,7 @@ first forward's log-probs, detached, as TRL does for ``num_iterations=1``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -59,6 +59,8 @@ class RLSettings:
     overlong_buffer_len: int | None = None  # DAPO's overlong penalty
     overlong_penalty_factor: float = 1.0
     reward_clip_range: tuple[float, float] | None = None
+    dynamic_filtering: bool = False  # DAPO's dynamic sampling
+    dynamic_filtering_reward_range: tuple[float, float] | None = None
     async_staleness: int = 0  # --max_staleness under --async_train: rollouts may be this many versions old
 
     @property
@@ -101,6 +103,16 @@ class Rollouts:
 
     def response_lengths(self) -> list[int]:
         return [len(c) for c in self.completion_tokens]
+
+    def select(self, indices) -> "Rollouts":
+        """The samples at ``indices``, in that order (rewards too, once set)."""
+        indices = list(indices)
+        return Rollouts(**{f.name: [getattr(self, f.name)[k] for k in indices] if getattr(self, f.name) else []
+                           for f in fields(self)})
+
+    @staticmethod
+    def concat(parts: list["Rollouts"]) -> "Rollouts":
+        return Rollouts(**{f.name: [x for part in parts for x in getattr(part, f.name)] for f in fields(Rollouts)})
 
 
 def response_values(batch, per_token: torch.Tensor) -> torch.Tensor:

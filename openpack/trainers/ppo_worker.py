@@ -22,8 +22,11 @@ import contextlib
 import functools
 import hashlib
 import logging
+import random
 import time
 from dataclasses import dataclass, replace
+
+import torch
 
 from openpack.core.advantages import kl_controller
 from openpack.core.rl_losses import PolicyLossParams
@@ -34,7 +37,7 @@ from openpack.data.prompts import Prompt, tokenize_prompts
 from openpack.models.loading import load_causal_lm, load_tokenizer
 from openpack.trainers import demo, reference
 from openpack.trainers.generation import Generator, RolloutPipeline, make_generator, vllm_options  # noqa: F401
-from openpack.trainers.ppo import RLSettings, rollout_metrics, shaped_rewards, shared_rewards, train_on
+from openpack.trainers.ppo import RLSettings, Rollouts, rollout_metrics, shaped_rewards, shared_rewards, train_on
 from openpack.trainers.rewards import (checked, exact_match, exact_match_reward, load_reward_fn, remote_reward,
                                        reward_models)
 from openpack.distributed.checkpoint import save_hf_model
@@ -42,6 +45,7 @@ from openpack.trainers.colocation import Colocation
 from openpack.trainers.run import TrainingRun, start_worker
 
 logger = logging.getLogger("openpack")
+FILTER_ROUNDS = 4  # --dynamic_filtering: rounds of replacement groups per rollout batch at most
 
 
 def rollout_schedule(num_prompts: int, rollout_batch_size: int, num_episodes: int, seed: int,
@@ -107,7 +111,8 @@ def rl_settings(rollout_cfg, rl_cfg, train_cfg) -> RLSettings:
                       rollout_cfg.generate_max_len, policy, rl_cfg.init_kl_coef, rl_cfg.use_kl_loss, rl_cfg.gamma,
                       updates_per_rollout(rollout_cfg, train_cfg), rl_cfg.lambd, rl_cfg.value_clip,
                       rl_cfg.freezing_actor_steps, rl_cfg.overlong_buffer_len, rl_cfg.overlong_penalty_factor,
-                      tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None,
+                      tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None, rl_cfg.dynamic_filtering,
+                      tuple(rl_cfg.dynamic_filtering_reward_range) if rl_cfg.dynamic_filtering_reward_range else None,
                       async_staleness=rollout_cfg.max_staleness if rollout_cfg.async_train else 0)
 
 
@@ -292,14 +297,11 @@ def _rl_step(loop: RLLoop, planned: RankStep) -> dict:
             loop.colocation or contextlib.nullcontext():
         rollouts = loop.pipeline.rollouts(step, dist, version=step)  # version: weight syncs so far
     generation_s = time.perf_counter() - start
-    n = settings.n_samples_per_prompt
-    texts = ([p.text for p in batch_prompts for _ in range(n)],
-             tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),
-             [p.row for p in batch_prompts for _ in range(n)])
     reward_start = time.perf_counter()
-    sequences = [p + c for p, c in zip(rollouts.prompt_tokens, rollouts.completion_tokens)]
-    raw = shared_rewards(loop.reward, texts, dist, f"rollout batch {step + 1}", sequences)
-    rollouts.rewards, reward_metrics = shaped_rewards(raw, rollouts.response_lengths(), settings)
+    reward_metrics = _reward(loop, batch_prompts, rollouts, f"rollout batch {step + 1}")
+    if settings.dynamic_filtering:
+        rollouts, filter_metrics = _dynamically_filtered(loop, step, batch_prompts, rollouts)
+        reward_metrics.update(filter_metrics)
     reward_s = time.perf_counter() - reward_start
     step_settings = replace(settings, kl_coef=loop.kl_ctl.value) if settings.reward_kl else settings
     metrics, timings = train_on(rollouts, run.engine, loop.scorers, step_settings, loop.train_cfg, dist,
@@ -313,6 +315,50 @@ def _rl_step(loop: RLLoop, planned: RankStep) -> dict:
     return {**rollout_metrics(rollouts, generation_s), **loop.pipeline.metrics, **reward_metrics, **metrics,
             **timings, "time/reward": reward_s, "time/weight_sync": sync_s, "lr": run.engine.get_lr()[0],
             "step_time_s": time.perf_counter() - start}
+
+
+def _reward(loop: RLLoop, prompts: list[Prompt], rollouts: Rollouts, where: str) -> dict:
+    """Set ``rollouts.rewards`` (``prompts``: one per group of n completions): the source's, asked on rank 0 and
+    shared, then shaped (overlong penalty, clipping); returns the reward metrics."""
+    n = loop.settings.n_samples_per_prompt
+    texts = ([p.text for p in prompts for _ in range(n)],
+             loop.tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),
+             [p.row for p in prompts for _ in range(n)])
+    sequences = [p + c for p, c in zip(rollouts.prompt_tokens, rollouts.completion_tokens)]
+    raw = shared_rewards(loop.reward, texts, loop.dist, where, sequences)
+    rollouts.rewards, metrics = shaped_rewards(raw, rollouts.response_lengths(), loop.settings)
+    return metrics
+
+
+def _dynamically_filtered(loop: RLLoop, step: int, prompts: list[Prompt], rollouts: Rollouts) -> tuple[Rollouts, dict]:
+    """DAPO's dynamic sampling: groups whose rewards are all equal (or whose mean is outside
+    --dynamic_filtering_reward_range) teach nothing and are dropped; groups of other prompts, drawn by a seed of
+    the run, the step and the round (so a resumed run draws the same), are generated and scored in their place,
+    for at most ``FILTER_ROUNDS`` rounds. A batch still short is filled with dropped groups (counted)."""
+    from openpack.core.advantages import keep_groups
+
+    n, wanted, settings = loop.settings.n_samples_per_prompt, len(prompts), loop.settings
+    kept, spare, dropped, rounds = [], [], 0, 0
+    while True:
+        keep = keep_groups(torch.tensor(rollouts.rewards), n, settings.dynamic_filtering_reward_range).tolist()
+        dropped += keep.count(False)
+        for g, good in enumerate(keep):
+            (kept if good else spare).append(rollouts.select(range(g * n, (g + 1) * n)))
+        if len(kept) >= wanted or rounds == FILTER_ROUNDS:
+            break
+        rounds += 1
+        draw = random.Random(f"{loop.train_cfg.seed}/{step}/refill{rounds}")
+        prompts = [loop.prompts[i] for i in draw.sample(range(len(loop.prompts)), min(wanted - len(kept),
+                                                                                      len(loop.prompts)))]
+        with _gathered(loop.run.engine, loop.model_cfg.zero_stage, loop.pipeline.generator.backend == "hf"), \
+                loop.colocation or contextlib.nullcontext():
+            rollouts = loop.pipeline.generator.rollouts(prompts, f"{step}.refill{rounds}", loop.dist, version=step)
+        _reward(loop, prompts, rollouts, f"rollout batch {step + 1}, refill {rounds}")
+    short = max(wanted - len(kept), 0)
+    groups = kept[:wanted] + spare[:short]
+    metrics = {"dynamic_filtering/dropped_groups": float(dropped), "dynamic_filtering/refill_rounds": float(rounds),
+               "dynamic_filtering/short_groups": float(short)}
+    return Rollouts.concat(groups), metrics
 
 
 def _gathered(engine, zero_stage: int, needed: bool):

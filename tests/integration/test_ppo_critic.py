@@ -10,9 +10,7 @@ adaptive coefficient; the rewards are clipped and DAPO's overlong penalty applie
 same actor and critic losses, grad norms and final weights to 1e-5 in fp32.
 """
 
-import json
 import os
-import random
 import subprocess
 import sys
 
@@ -36,36 +34,6 @@ LAYOUTS = {
     "padded_8x1": ["--micro_train_batch_size", "1"],
     "padded_1x8": ["--micro_train_batch_size", "8"],
 }
-
-
-@pytest.fixture(scope="module")
-def ppo_models(tmp_path_factory):
-    """A random tiny Llama policy, a tiny reward model (another random Llama with a value head and a saved
-    normalisation, as train_rm --normalize_reward saves it), the demo tokenizer and prompts."""
-    from openpack.data.demo_tokenizer import build_demo_tokenizer
-    from openpack.models.reward import load_reward_model, set_normalization
-    from openpack.models.tiny import tiny_causal_lm
-
-    root = tmp_path_factory.mktemp("ppo")
-    tokenizer = build_demo_tokenizer()
-    shape = dict(vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
-                 intermediate_size=128, max_position_embeddings=256)
-    tiny_causal_lm("llama", seed=3, **shape).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    tiny_causal_lm("llama", seed=4, **shape).save_pretrained(root / "rm_base")
-    torch.manual_seed(5)
-    rm = load_reward_model(str(root / "rm_base"), pad_token_id=tokenizer.pad_token_id)
-    with torch.no_grad():
-        rm.score.weight.mul_(20)  # a random head's rewards are tiny; spread them so clipping and advantages bite
-    set_normalization(rm.config, 0.1, 0.5)
-    rm.save_pretrained(root / "rm")
-    tokenizer.save_pretrained(root / "rm")
-    rng = random.Random(0)
-    with open(root / "prompts.jsonl", "w") as f:
-        for _ in range(32):
-            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
-            f.write(json.dumps({"prompt": f"sort: {word}\n"}) + "\n")
-    return root
 
 
 def ppo_argv(save_path, root, *flags):
