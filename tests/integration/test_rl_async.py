@@ -1,0 +1,161 @@
+"""Asynchronous training (issue 15, item 4): ``--async_train --max_staleness N`` generates rollout batch k + 1 with
+policy version k while batch k trains.
+
+- N = 0 is the synchronous loop: the same losses, grad norms and final weights, step for step (in-process vLLM).
+- N = 1: batch k >= 1 was sampled by version k - 1 (``async/staleness`` 1.0), its old log-probs come from the
+  current policy (so the vLLM/trainer gap is no longer ~0), and the run completes.
+- Resume: a run rewound to its step-2 checkpoint starts with an empty pipeline; every prompt is trained exactly
+  once over the interrupted and the resumed run, batch 3 fresh (staleness 0), batch 4 one version old.
+- The stale-sample guard and the pipeline's order, with a fake engine (no vLLM).
+
+vLLM runs in subprocesses: an in-process engine ends torch.distributed's default group when it shuts down.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from openpack.cli import train_grpo
+from openpack.distributed.process import DistInfo
+from openpack.rollout.types import Completion, SamplingConfig
+from openpack.trainers.generation import Generator, RolloutPipeline, drop_stale
+from openpack.trainers.ppo import Rollouts
+from saved_runs import assert_same_run, read_metrics
+from test_rl_resume_faults import LOOPBACK_RAY, RL, rewound, rl_task  # noqa: F401 (rl_task: a fixture)
+
+LOGGED_REWARD = """
+import json, os
+
+
+def logged(prompts, completions, rows):
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps(sorted(set(prompts))) + "\\n")
+    return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+"""
+VLLM = ["--launcher", "local", "--rollout_backend", "vllm", "--vllm_is_correction_cap", "2"]
+
+
+@pytest.fixture(scope="module")
+def task(rl_task, tmp_path_factory):  # noqa: F811
+    pytest.importorskip("vllm")
+    reward = tmp_path_factory.mktemp("async_reward") / "logged.py"
+    reward.write_text(LOGGED_REWARD)
+    return {**rl_task, "reward": f"{reward}:logged"}
+
+
+def grpo(task, save_path, *flags, log=None):
+    argv = ["train_grpo", *task["args"], "--reward_fn", task["reward"], *RL, *VLLM, "--save_path", str(save_path),
+            *flags]
+    env = {**LOOPBACK_RAY, "REWARD_LOG": str(log or save_path.parent / f"{save_path.name}.rewards")}
+    result = subprocess.run([sys.executable, "-m", "openpack.cli.main", *argv], capture_output=True, text=True,
+                            timeout=600, env=env, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return save_path
+
+
+def logged_batches(path) -> list[list[str]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_staleness_0_is_the_synchronous_loop(task, tmp_path):
+    sync = grpo(task, tmp_path / "sync", "--max_steps", "3")
+    async0 = grpo(task, tmp_path / "async0", "--max_steps", "3", "--async_train", "--max_staleness", "0")
+    assert_same_run(async0, sync)
+    for a, s in zip(read_metrics(async0), read_metrics(sync)):
+        assert a["async/staleness"] == 0 and a["async/dropped_stale"] == 0
+        for key in ("reward", "vllm_logp_diff", "response_length/mean"):
+            assert a[key] == pytest.approx(s[key], abs=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def async_run(task, tmp_path_factory):
+    """--max_staleness 1 over 4 rollout batches, a checkpoint after each."""
+    return grpo(task, tmp_path_factory.mktemp("async1") / "run", "--max_steps", "4", "--save_steps", "1",
+                "--async_train", "--max_staleness", "1")
+
+
+def test_staleness_1_trains_each_batch_one_version_late(async_run):
+    metrics = read_metrics(async_run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["async/staleness"] for m in metrics] == [0.0, 1.0, 1.0, 1.0]
+    assert all(m["async/dropped_stale"] == 0 for m in metrics)
+    # the ratio's denominator is the current policy's (a scoring pass), vLLM's log-probs the previous version's
+    assert metrics[0]["vllm_logp_diff"] < 1e-4
+    assert all(m["vllm_logp_diff"] > 1e-3 for m in metrics[1:]), [m["vllm_logp_diff"] for m in metrics]
+    assert all("async/generation_wait_s" in m for m in metrics)
+    assert (async_run / "model" / "model.safetensors").exists()
+
+
+def test_a_resumed_async_run_trains_every_prompt_once(async_run, task, tmp_path):
+    resumed = rewound(async_run, tmp_path / "resumed", 2)
+    grpo(task, resumed, "--max_steps", "4", "--save_steps", "1", "--async_train", "--max_staleness", "1",
+         "--load_checkpoint", log=tmp_path / "resumed.rewards")
+    full = logged_batches(async_run.parent / "run.rewards")
+    trained = full[:2] + logged_batches(tmp_path / "resumed.rewards")
+    assert trained == full  # the same batches in the same order
+    prompts = [p for batch in trained for p in batch]
+    assert len(prompts) == len(set(prompts)) == 16  # every prompt of the one episode, once
+    assert [m["async/staleness"] for m in read_metrics(resumed)] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_async_with_hf_rollouts_is_refused(rl_task, tmp_path, capsys):  # noqa: F811
+    argv = [*rl_task["args"], "--reward_fn", f"{rl_task['rewards']}:vowels", *RL, "--save_path", str(tmp_path),
+            "--launcher", "local", "--rollout_backend", "hf", "--async_train"]
+    assert train_grpo.main(argv) == 2
+    assert "drop --async_train, or use --rollout_backend vllm" in capsys.readouterr().err
+
+
+class FakeEngines:
+    """Engines whose completion of a prompt is the weight version they hold when asked: [version]."""
+
+    def __init__(self):
+        self.version = 0
+        self.asked: list[tuple[int, int]] = []  # (first prompt token, version) per generate
+
+    def start_generate(self, prompts, sampling, seeds):
+        version = self.version
+        self.asked.append((prompts[0][0], version))
+        return lambda: [[Completion([version], [-1.0], True)] * sampling.n for _ in prompts]
+
+
+def pipeline_of(depth: int, steps: int = 4) -> tuple[RolloutPipeline, FakeEngines]:
+    from openpack.data.prompts import Prompt
+
+    engines = FakeEngines()
+    generator = Generator("vllm", engines, SamplingConfig(n=2), seed=0, chunk=1)
+    prompts = [Prompt([i], f"p{i}", {}, "fake") for i in range(steps)]
+    return RolloutPipeline(generator, prompts, [[i] for i in range(steps)], depth, True), engines
+
+
+DIST = DistInfo(0, 1, 0, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_the_pipeline_samples_batch_k_with_version_k_minus_depth(depth):
+    pipeline, engines = pipeline_of(depth)
+    for step in range(4):
+        rollouts = pipeline.rollouts(step, DIST, version=step)
+        assert rollouts.versions == [max(step - depth, 0)] * 2 == [t[0] for t in rollouts.completion_tokens]
+        assert pipeline.metrics["async/staleness"] == min(step, depth)
+        engines.version += 1  # the weight sync after the step's update
+    assert [prompt for prompt, _ in engines.asked] == [0, 1, 2, 3]  # each batch asked for once, in order
+
+
+def test_a_batch_staler_than_the_bound_is_dropped_counted_and_generated_again():
+    pipeline, engines = pipeline_of(depth=1)
+    pipeline.rollouts(0, DIST, version=0)  # asks for batch 1 with version 0
+    engines.version = 2
+    rollouts = pipeline.rollouts(1, DIST, version=2)  # batch 1 is 2 versions old: past the bound
+    assert pipeline.metrics["async/dropped_stale"] == 2
+    assert rollouts.versions == [2, 2] and pipeline.metrics["async/staleness"] == 0
+
+
+def test_drop_stale_keeps_samples_within_the_bound():
+    rollouts = Rollouts([[1]] * 4, [[2], [3], [4], [5]], [[-1.0]] * 4, [True] * 4, versions=[3, 5, 4, 5])
+    kept, dropped = drop_stale(rollouts, version=5, max_staleness=1)
+    assert dropped == 1 and kept.versions == [5, 4, 5] and kept.completion_tokens == [[3], [4], [5]]
+    assert drop_stale(rollouts, version=5, max_staleness=2) == (rollouts, 0)
