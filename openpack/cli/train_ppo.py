@@ -296,13 +296,35 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
             engines = _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model)
             return launch(run_ppo, configs[:-1], {"demo_model": demo_model,
                                                       "save_config": functools.partial(save_all, configs)},
-                          configs, functools.partial(plan_rl, *configs[:6], demo_model=demo_model), engines=engines)
+                          configs, functools.partial(plan_rl, *configs[:6], demo_model=demo_model), engines=engines,
+                          rewards=_reward_specs(model_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg))
     except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack {command}: {err}", file=sys.stderr)
         return 2
     except RewardError as err:  # a reward that failed mid-run (server down, NaN): its message names it and the batch
         print(f"openpack {command}: {err}", file=sys.stderr)
         return 1
+
+
+def _reward_specs(model_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg):
+    """One actor group per --reward_pretrain model when the driver is a Ray driver, unless a colocation flag keeps
+    the reward models in rank 0."""
+    if not rl_cfg.reward_pretrain or launch_cfg.launcher != "ray" or launched_by_environment() or \
+            rollout_cfg.colocate_critic_reward or rollout_cfg.colocate_all_models:
+        return None
+    from openpack.orchestration.ray_launcher import ScorerGroupSpec
+
+    return [ScorerGroupSpec(build_reward_scorer, (path, train_cfg.max_tokens_per_gpu, model_cfg.bf16), path)
+            for path in rl_cfg.reward_pretrain]
+
+
+def build_reward_scorer(path: str, max_tokens: int, bf16: bool):
+    """A --reward_pretrain model on this process's device, as rank 0 builds it (module level, for Ray)."""
+    import torch
+
+    from openpack.models.reward import RewardScorer
+
+    return RewardScorer(path, "cuda" if torch.cuda.is_available() else "cpu", max_tokens, bf16)
 
 
 def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model):

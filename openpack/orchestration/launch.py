@@ -28,14 +28,15 @@ def launched_by_environment() -> bool:
 
 
 def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, planner, reference=None,
-           engines=None) -> int:
+           engines=None, rewards=None) -> int:
     """Run ``worker`` on every rank with the launcher the last config (LaunchConfig) names.
 
     Under Ray this process is the driver: ``planner(world_size)`` tokenizes the data once and returns
     each rank's plan, handed to rank r as ``plan=``. With ``--launcher local``, torchrun or the deepspeed
     launcher there is no driver: every process is a rank, plans for itself and trains on what it tokenized.
     ``reference`` (train_dpo with --ref_num_nodes) describes a separate reference actor group, ``engines``
-    (online RL with vLLM) the rollout engine actors (Ray only).
+    (online RL with vLLM) the rollout engine actors, ``rewards`` (online RL with reward models) one actor group
+    per model (Ray only).
     """
     launch_cfg = configs[-1]
     if launched_by_environment():
@@ -53,7 +54,8 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, plan
         return ray_launch(worker, worker_args, worker_kwargs, [{"plan": plan} for plan in plans],
                           num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
                           num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=address,
-                          reference=reference, engines=engines, memory_advice=memory_advice(configs))
+                          reference=reference, engines=engines, rewards=rewards,
+                          memory_advice=memory_advice(configs))
 
     code, result = launch_command(run, launch_cfg.launcher)
     return code or result

@@ -75,8 +75,23 @@ class EngineGroupSpec:
     colocate: bool = False  # --colocate_all_models: engine i shares rank i's bundle (ENGINE_SHARE of it)
 
 
+@dataclass
+class ScorerGroupSpec:
+    """A reward model's actor group (online RL, ``--reward_pretrain``): ``num_actors`` actors, each running
+    ``build(*args)`` once, handed to every rank as a ``ScorerGroup`` named ``name`` (the model's folder)."""
+
+    build: Callable
+    args: tuple
+    name: str
+    num_actors: int = 1
+
+
 class RankDiedError(RuntimeError):
     """A worker process died (killed, out of memory, node lost)."""
+
+
+class ScorerDiedError(RankDiedError):
+    """A scorer actor (a reward model) died."""
 
 
 class ClusterUnreachable(RuntimeError):
@@ -197,19 +212,48 @@ class _Scorer(_Placed):
 
 class ScorerGroup:
     """Scorer actors behind one ``score(sequences) -> [N]``: the sequences are cut into contiguous shards of about
-    equal tokens, one per actor, scored at once, and put back in order. An RLHF trainer holds one of these for its
-    reward model (``--reward_num_nodes`` x ``--reward_num_gpus_per_node`` actors); ``score_on_ray`` runs one for
-    ``openpack score``."""
+    equal tokens, one per actor, scored at once, and put back in order. Online RL hands one per ``--reward_pretrain``
+    model to every rank (``stop`` None: a rank waits plainly; the driver acts on signals); ``score_on_ray`` runs one
+    for ``openpack score``. A dead actor is a ``ScorerDiedError`` naming ``name`` and the actor's node."""
 
-    def __init__(self, actors: list, stop: StopSignals):
-        self.actors, self.stop = actors, stop
+    def __init__(self, actors: list, stop: StopSignals | None, name: str = "scorer", nodes: list[str] | None = None):
+        self.actors, self.stop, self.name, self.nodes = actors, stop, name, nodes or [None] * len(actors)
 
     def score(self, sequences: list[list[int]]):
         import torch
 
         bounds = _shard_bounds([len(s) for s in sequences], len(self.actors))
-        refs = [actor.score.remote(sequences[lo:hi]) for actor, (lo, hi) in zip(self.actors, bounds) if hi > lo]
-        return torch.cat(_get(refs, self.stop)) if refs else torch.zeros(0)
+        shards = {i: (sequences[lo:hi],) for i, (lo, hi) in enumerate(bounds) if hi > lo}
+        return torch.cat(self.call("score", list(shards.values()), list(shards))) if shards else torch.zeros(0)
+
+    def call(self, method: str, per_actor_args: list[tuple], indices: list[int] | None = None) -> list:
+        """``actor.method(*args)`` on each actor (``indices``: which ones; default all), their results in order."""
+        import ray
+
+        indices = list(range(len(self.actors))) if indices is None else indices
+        refs = [getattr(self.actors[i], method).remote(*args) for i, args in zip(indices, per_actor_args)]
+        try:
+            return _get(refs, self.stop) if self.stop else ray.get(refs)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            dead = next((i for i, ref in zip(indices, refs) if _failed(ref)), indices[0])
+            where = f" on node {self.nodes[dead]}" if self.nodes[dead] else ""
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(".")
+            raise ScorerDiedError(f"{self.name}: actor {dead} of {len(self.actors)}{where} died ({first_line}); "
+                                  "its log is in the Ray session logs (/tmp/ray/session_latest/logs)") from err
+
+
+def _failed(ref) -> bool:
+    """Whether a finished Ray call raised (a pending one is not known to have failed)."""
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        return False
+    try:
+        ray.get(ref)
+    except Exception:  # noqa: BLE001 - any failure marks the actor
+        return True
+    return False
 
 
 def _shard_bounds(lengths: list[int], shards: int) -> list[tuple[int, int]]:
@@ -240,9 +284,9 @@ def score_on_ray(build: Callable, args: tuple, sequences: list[list[int]], *, nu
             session.owned = True
             connect(ray_address, world * (num_cpus_per_worker or 1), stop, session)
         cpus = num_cpus_per_worker or default_cpus_per_worker(num_gpus_per_node)
-        actors, _ = session.start_group(_Scorer, "reward", world, cpus, stop)
+        actors, nodes = session.start_group(_Scorer, "reward", world, cpus, stop)
         _get([actor.setup.remote(cpus, build, args) for actor in actors], stop)
-        return ScorerGroup(actors, stop).score(sequences)
+        return ScorerGroup(actors, stop, "reward model", nodes).score(sequences)
 
 
 def cluster_address(ray_address: str | None) -> str | None:
@@ -322,10 +366,11 @@ def default_cpus_per_worker(ranks_per_node: int) -> int:
 def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict], *, num_nodes: int,
            num_gpus_per_node: int, num_cpus_per_worker: int | None, ray_address: str | None = None,
            reference: ReferenceGroupSpec | None = None, engines: EngineGroupSpec | None = None,
-           memory_advice: str | None = None):
+           rewards: list[ScorerGroupSpec] | None = None, memory_advice: str | None = None):
     """Run ``worker(*args, **kwargs, **rank_kwargs[rank])`` on every rank; returns rank 0's result.
 
-    ``ray_address`` is ``cluster_address``'s answer; ``memory_advice`` (``lower --max_tokens_per_gpu 16384 (try
+    ``rewards`` (online RL): one actor group per reward model, each in its own placement group, handed to every
+    rank as ``reward_groups``. ``ray_address`` is ``cluster_address``'s answer; ``memory_advice`` (``lower --max_tokens_per_gpu 16384 (try
     8192)``) is what a rank killed for memory is told. Raises ``Stopped`` on Ctrl-C or SIGTERM.
     """
     import ray
@@ -336,14 +381,18 @@ def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict],
         raise ValueError(f"{ref_world} reference ranks must divide the {world} policy ranks")
     with StopSignals(defer=True) as stop, _Session() as session:
         own_engines = engines is not None and not engines.colocate  # colocated engines take no CPUs of their own
+        scorers = sum(spec.num_actors for spec in rewards or [])
         if not ray.is_initialized():
             session.owned = True
-            connect(ray_address, (world + ref_world) * (num_cpus_per_worker or 1) + (engines.num_engines if own_engines
-                                                                                     else 0), stop, session)
+            connect(ray_address, (world + ref_world + scorers) * (num_cpus_per_worker or 1) +
+                    (engines.num_engines if own_engines else 0), stop, session)
         if own_engines:  # first: an engine loads its model while the ranks start
             kwargs = {**kwargs, "engine_group": _start_engines(session, engines, stop)}
         sharing = num_gpus_per_node + (reference.num_gpus_per_node if reference else 0)
-        cpus = num_cpus_per_worker or default_cpus_per_worker(sharing + (engines.num_engines if own_engines else 0))
+        cpus = num_cpus_per_worker or default_cpus_per_worker(sharing + scorers +
+                                                              (engines.num_engines if own_engines else 0))
+        if rewards:
+            kwargs = {**kwargs, "reward_groups": [_start_scorers(session, spec, cpus, stop) for spec in rewards]}
         if reference:
             ref_actors, ref_nodes = session.start_group(_Reference, "reference", ref_world, cpus, stop)
             _get([a.setup.remote(env, reference.build, reference.args)
@@ -450,6 +499,15 @@ def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals, 
                               init_kwargs, share=ENGINE_SHARE)
     group = EngineGroup(actors, remote=True)
     group.sleep()
+    return group
+
+
+def _start_scorers(session: _Session, spec: ScorerGroupSpec, cpus: int, stop: StopSignals) -> ScorerGroup:
+    """A reward model's actors in a placement group of their own, each with its model loaded."""
+    actors, nodes = session.start_group(_Scorer, f"reward model {spec.name}", spec.num_actors, cpus, stop)
+    group = ScorerGroup(actors, stop, f"reward model {spec.name}", nodes)
+    group.call("setup", [(cpus, spec.build, spec.args)] * len(actors))  # a death while loading is named too
+    group.stop = None  # in the ranks: a plain wait (the driver acts on signals)
     return group
 
 
