@@ -93,3 +93,18 @@ def test_a_colocated_ray_run_samples_with_the_trainers_weights_at_every_step(rl_
         assert m["vllm_logp_diff"] < 1e-4, m
         assert m["time/weight_sync"] > 0  # pushed at every wake, the first too
     assert metrics[-1]["kl"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--async_train"], "generation and training cannot overlap"),
+    (["--rollout_backend", "hf"], "with --rollout_backend hf the policy already generates"),
+    (["--vllm_num_engines", "2"], "--vllm_num_engines 2 must be at most the 1 rank(s)"),
+    (["--vllm_tensor_parallel_size", "2"], "tensor-parallel colocated engines are not built"),
+])
+def test_what_colocation_cannot_do_is_refused(flags, message, rl_model, tmp_path, capsys):
+    from openpack.cli import train_ppo
+
+    argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
+            "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path), *COMMON, *flags]
+    assert train_ppo.main(argv) == 2
+    assert message in capsys.readouterr().err
