@@ -97,6 +97,9 @@ class RolloutConfig:
                                     "are offloaded while vLLM generates (docs/rl.md, Placement)")
     colocate_critic_reward: bool = arg(False, "the reward models run inside the training ranks, on rank 0, next to "
                                        "the critic, instead of their own actor group (--launcher ray)")
+    ref_num_nodes: int = arg(0, "the reference model (a KL needs one) in a Ray actor of its own, one process on "
+                             "one node, which every rank asks for its share (train_dpo's flag)", at_least=0, at_most=1,
+                             special={0: "in every training rank"})
 
 
 @dataclass
@@ -259,6 +262,9 @@ def check_colocation(rollout_cfg, world: int) -> None:
     if resolved_backend(rollout_cfg) != "vllm":
         raise ConfigError("--colocate_all_models colocates vLLM engines; with --rollout_backend hf the policy "
                           "already generates on its own devices: drop it, or use --rollout_backend vllm")
+    if rollout_cfg.ref_num_nodes:
+        raise ConfigError("--colocate_all_models keeps the reference model in the training ranks: drop "
+                          "--ref_num_nodes")
     if rollout_cfg.vllm_num_engines > world or rollout_cfg.vllm_tensor_parallel_size > 1:
         raise ConfigError(f"--colocate_all_models puts engine i on rank i's device: --vllm_num_engines "
                           f"{rollout_cfg.vllm_num_engines} must be at most the {world} rank(s), with "
@@ -297,7 +303,8 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
             return launch(run_ppo, configs[:-1], {"demo_model": demo_model,
                                                       "save_config": functools.partial(save_all, configs)},
                           configs, functools.partial(plan_rl, *configs[:6], demo_model=demo_model), engines=engines,
-                          rewards=_reward_specs(model_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg))
+                          rewards=_reward_specs(model_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg),
+                          reference=_reference_spec(model_cfg, rollout_cfg, rl_cfg, launch_cfg, demo_model))
     except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack {command}: {err}", file=sys.stderr)
         return 2
@@ -316,6 +323,19 @@ def _reward_specs(model_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg):
 
     return [ScorerGroupSpec(build_reward_scorer, (path, train_cfg.max_tokens_per_gpu, model_cfg.bf16), path)
             for path in rl_cfg.reward_pretrain]
+
+
+def _reference_spec(model_cfg, rollout_cfg, rl_cfg, launch_cfg, demo_model):
+    """--ref_num_nodes 1: one reference actor (a process group of its own) when a KL needs the reference and the
+    driver is a Ray driver. One, not a group: every policy rank asks it for its own share, and a ZeRO-3 group
+    would need the same number of forwards from each of its ranks."""
+    if not rollout_cfg.ref_num_nodes or not rl_cfg.init_kl_coef or launch_cfg.launcher != "ray" or \
+            launched_by_environment():
+        return None
+    from openpack.orchestration.ray_launcher import ReferenceGroupSpec
+    from openpack.trainers.ppo_worker import build_rl_reference
+
+    return ReferenceGroupSpec(build_rl_reference, (model_cfg, rl_cfg, model_cfg.pretrain or str(demo_model)), 1, 1)
 
 
 def build_reward_scorer(path: str, max_tokens: int, bf16: bool):

@@ -174,9 +174,12 @@ class _Reference(_Placed):
     def segment_sums(self, batch):
         return self.scorer.segment_sums(batch).cpu()
 
+    def token_logprobs(self, batch):
+        return self.scorer(batch).cpu()
+
 
 class RemoteReference:
-    """The scorer interface (``segment_sums(batch)``) backed by one reference actor."""
+    """The scorer interface (``segment_sums(batch)``; called, per-token log-probs) backed by one reference actor."""
 
     def __init__(self, actor):
         self.actor = actor
@@ -185,6 +188,12 @@ class RemoteReference:
         import ray
 
         return ray.get(self.actor.segment_sums.remote(batch.to("cpu")))
+
+    def __call__(self, batch):
+        """Per-token log-probs of ``batch`` (online RL), on the batch's device."""
+        import ray
+
+        return ray.get(self.actor.token_logprobs.remote(batch.to("cpu"))).to(batch.input_ids.device)
 
 
 class ReferenceGroup:

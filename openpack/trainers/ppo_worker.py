@@ -148,9 +148,10 @@ def prompt_datasets(data_cfg, out_cfg, is_main: bool) -> list[str]:
 
 
 def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_model=None, save_config=None,
-            engine_group=None, plan=None, reward_groups=None) -> int:
+            engine_group=None, plan=None, reward_groups=None, reference_group=None) -> int:
     """One rank's RL run; ``engine_group``: the driver's vLLM engine actors (Ray), else engines are made here;
-    ``reward_groups``: the driver's reward-model actor groups (Ray), else rank 0 loads the reward models."""
+    ``reward_groups``: the driver's reward-model actor groups (Ray), else rank 0 loads the reward models;
+    ``reference_group``: the driver's reference actor (Ray), else each rank holds the reference model."""
     dist = start_worker(model_cfg, train_cfg.seed)
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
@@ -179,10 +180,10 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
         scorers["old"] = run.engine
     if critic is not None:
         scorers["values"] = critic
-    if settings.needs_reference:
-        flag = "--ref_pretrain" if rl_cfg.ref_pretrain else "--pretrain"
-        ref_model = load_causal_lm(rl_cfg.ref_pretrain or pretrain, model_cfg.bf16, flag=flag).to(dist.device)
-        scorers["ref"] = reference.reference_engine(ref_model, model_cfg.zero_stage, False, model_cfg.bf16)
+    if settings.needs_reference and reference_group is not None:
+        scorers["ref"] = reference_group.scorer(dist.rank)
+    elif settings.needs_reference:
+        scorers["ref"] = build_rl_reference(model_cfg, rl_cfg, pretrain, dist)
     backend = resolved_backend(rollout_cfg)
     if dist.is_main:
         logger.info("rollouts: %s%s", backend, " (auto: vLLM imports)" if rollout_cfg.rollout_backend == "auto"
@@ -209,6 +210,17 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
         if demo_model is not None:
             _report_demo(run, "after")
     return 0
+
+
+def build_rl_reference(model_cfg, rl_cfg, pretrain: str, dist=None):
+    """The frozen reference model scoring per-token log-probs (``ref(batch)``): a rank's own DeepSpeed engine, or
+    (``dist`` None) the model of a Ray reference actor, which starts its own process group first."""
+    in_actor = dist is None
+    dist = start_worker(model_cfg, 0) if in_actor else dist
+    flag = "--ref_pretrain" if rl_cfg.ref_pretrain else "--pretrain"
+    ref_model = load_causal_lm(rl_cfg.ref_pretrain or pretrain, model_cfg.bf16, flag=flag).to(dist.device)
+    engine = reference.reference_engine(ref_model, model_cfg.zero_stage, False, model_cfg.bf16)
+    return reference.ModelReference(engine, dist.device) if in_actor else engine
 
 
 def critic_engine(rl_cfg, model_cfg, train_cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):

@@ -43,6 +43,11 @@ class ModelReference:
         batch = batch.to(self.device)
         return segment_logprobs(batch, self.engine(batch)).sum
 
+    @torch.no_grad()
+    def __call__(self, batch) -> torch.Tensor:
+        """Per-token log-probs laid out like ``batch.labels`` flattened (online RL's KL needs every token)."""
+        return self.engine(batch.to(self.device))
+
 
 class CachedReference:
     """Per-sample reference log-probs looked up through the segment table."""

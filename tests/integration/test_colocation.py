@@ -100,6 +100,7 @@ def test_a_colocated_ray_run_samples_with_the_trainers_weights_at_every_step(rl_
     (["--rollout_backend", "hf"], "with --rollout_backend hf the policy already generates"),
     (["--vllm_num_engines", "2"], "--vllm_num_engines 2 must be at most the 1 rank(s)"),
     (["--vllm_tensor_parallel_size", "2"], "tensor-parallel colocated engines are not built"),
+    (["--ref_num_nodes", "1", "--init_kl_coef", "0.01"], "drop --ref_num_nodes"),
 ])
 def test_what_colocation_cannot_do_is_refused(flags, message, rl_model, tmp_path, capsys):
     from openpack.cli import train_ppo

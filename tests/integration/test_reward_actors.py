@@ -76,3 +76,16 @@ def wait_for(found, timeout: float = 240):
             return value
         time.sleep(0.2)
     raise AssertionError("timed out")
+
+
+@pytest.mark.slow
+def test_a_reference_actor_equals_the_reference_in_the_ranks(ppo_models, tmp_path):
+    """--init_kl_coef 0.05 under Ray: the reference model in an actor of its own (--ref_num_nodes 1) or in the
+    ranks (the default) gives the same per-token KL, so the same run to 1e-5. Two ranks, so both ask the one
+    reference actor for their shares."""
+    flags = ["--num_gpus_per_node", "2", "--colocate_critic_reward"]
+    out = run(tmp_path / "actor", ppo_models, *flags, "--ref_num_nodes", "1")
+    assert "ray: placing 1 reference actors" in out
+    run(tmp_path / "in_ranks", ppo_models, *flags)
+    assert_same_run(tmp_path / "actor", tmp_path / "in_ranks")
+    assert read_metrics(tmp_path / "actor")[-1]["kl"] != 0  # k1: a mean of log-ratios, either sign
