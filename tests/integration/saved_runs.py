@@ -30,6 +30,20 @@ def assert_same_run(a, b, atol=1e-5):
         torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=name)
 
 
+def assert_same_critic(a, b, atol=1e-5):
+    """PPO's critic: per-step critic metrics (and the reward and KL coefficient it depends on) and its exported
+    weights equal."""
+    from safetensors.torch import load_file
+
+    for x, y in zip(read_metrics(a), read_metrics(b)):
+        for key in ("critic_loss", "critic_grad_norm", "values", "returns", "kl_coef", "reward"):
+            assert abs(x[key] - y[key]) <= atol * max(1.0, abs(y[key])), (key, x, y)
+    wa, wb = load_file(f"{a}/critic/model.safetensors"), load_file(f"{b}/critic/model.safetensors")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=name)
+
+
 def write_pairs(path, n=48, seed=0):
     """Pairs "sort: <letters>" -> sorted (chosen) / one letter changed (rejected), 3 to 30 letters."""
     rng = random.Random(seed)

@@ -15,12 +15,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from openpack.cli import train_ppo
 from openpack.distributed.process import free_port
 
-from saved_runs import assert_same_run, read_metrics
+from saved_runs import assert_same_critic, assert_same_run, read_metrics
 
 COMMON = ["--advantage_estimator", "gae", "--gamma", "0.9", "--lambd", "0.8", "--value_clip", "0.2",
           "--critic_learning_rate", "5e-3", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
@@ -44,18 +43,6 @@ def ppo_argv(save_path, root, *flags):
 def ppo(save_path, root, *flags):
     assert train_ppo.main(ppo_argv(save_path, root, *flags)) == 0
     return save_path
-
-
-def assert_same_critic(a, b, atol=1e-5):
-    from safetensors.torch import load_file
-
-    for x, y in zip(read_metrics(a), read_metrics(b)):
-        for key in ("critic_loss", "critic_grad_norm", "values", "returns", "kl_coef", "reward"):
-            assert abs(x[key] - y[key]) <= atol * max(1.0, abs(y[key])), (key, x, y)
-    wa, wb = load_file(f"{a}/critic/model.safetensors"), load_file(f"{b}/critic/model.safetensors")
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=name)
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,7 @@ import sys
 
 import pytest
 
-from saved_runs import assert_same_run, read_metrics
-from test_ppo_critic import assert_same_critic
+from saved_runs import assert_same_critic, assert_same_run, read_metrics
 
 PPO = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--rollout_backend", "vllm", "--zero_stage", "3",
        "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "8", "--max_epochs", "1",

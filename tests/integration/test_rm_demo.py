@@ -11,19 +11,26 @@ DPO demo test, run first, trains it for seed 42), and the export must load as a 
 """
 
 import pytest
+import yaml
 from saved_runs import read_metrics
 
 from openpack.cli import train_rm
 
 
 @pytest.mark.slow
-def test_rm_demo_learns_the_preferences(tmp_path, capsys):
-    assert train_rm.main(["--save_path", str(tmp_path), "--launcher", "local"]) == 0
-    assert "running the built-in demo" in capsys.readouterr().out
-    evals = [m for m in read_metrics(tmp_path) if "eval_accuracy" in m]
+def test_rm_demo_learns_the_preferences():
+    """The demo as the PPO demo trains and caches it (`openpack train_rm --normalize_reward`, seed 42): whichever of
+    this test and tests/integration/test_ppo_demo.py runs first trains it once for both."""
+    from openpack.cli.train_sft import LaunchConfig
+
+    model = train_rm.demo_rm_model(LaunchConfig(launcher="local"), 42)
+    run = yaml.safe_load((model.parent / "config.yaml").read_text())
+    assert run["pretrain"] is None and run["dataset"] is None and run["normalize_reward"]  # the built-in demo
+    evals = [m for m in read_metrics(model.parent) if "eval_accuracy" in m]
     before, after = evals[0], evals[-1]
     assert before["step"] == 0 and before["eval_accuracy"] <= 0.6, before  # a random head: chance or worse
     assert after["eval_accuracy"] >= 0.9, after
     from transformers import AutoModelForSequenceClassification
 
-    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "model").config.num_labels == 1
+    config = AutoModelForSequenceClassification.from_pretrained(model).config
+    assert config.num_labels == 1 and config.normalize_reward and config.reward_std > 0
