@@ -50,14 +50,17 @@ class PackedRewardModel(torch.nn.Module):
         self.model = model
 
     def forward(self, batch) -> torch.Tensor:
-        if isinstance(batch, PackedBatch):
-            hidden = packed_forward(self.model, batch)  # [T, H]
-        else:  # the unpacked baseline: right-padded rows, attention masked
-            output = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                              use_cache=False)
-            hidden = output.last_hidden_state.flatten(0, 1)  # [B * L, H]
         last = last_token_index(batch, self.model.config.pad_token_id)
-        return getattr(self.model, HEAD)(hidden[last]).float()[:, 0]
+        return getattr(self.model, HEAD)(hidden_states(self.model, batch)[last]).float()[:, 0]
+
+
+def hidden_states(model, batch) -> torch.Tensor:
+    """The decoder's last hidden states of a PackedBatch [T, H], or of a PaddedBatch (the unpacked baseline:
+    right-padded rows, attention masked) flattened to [B * L, H]."""
+    if isinstance(batch, PackedBatch):
+        return packed_forward(model, batch)
+    output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    return output.last_hidden_state.flatten(0, 1)
 
 
 class PackedValueModel(torch.nn.Module):
@@ -73,13 +76,7 @@ class PackedValueModel(torch.nn.Module):
         self.model = model
 
     def forward(self, batch) -> torch.Tensor:
-        if isinstance(batch, PackedBatch):
-            hidden = packed_forward(self.model, batch)  # [T, H]
-        else:
-            output = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                              use_cache=False)
-            hidden = output.last_hidden_state.flatten(0, 1)  # [B * L, H]
-        return getattr(self.model, HEAD)(hidden).float()[:, 0]
+        return getattr(self.model, HEAD)(hidden_states(self.model, batch)).float()[:, 0]
 
 
 def describe_model(pretrain: str) -> str:

@@ -196,22 +196,34 @@ class StepParts:
     returns: list[torch.Tensor] | None = None  # the critic's targets
 
 
+def accumulated_step(engine, micro_batches: list, dist: DistInfo, loss_and_stats, width: int) -> tuple[float, list]:
+    """One optimizer step of ``engine`` over ``micro_batches``: ``loss_and_stats(batch)`` gives the micro-batch's
+    share of the step's loss and ``width - 1`` numbers to sum; each share is backpropagated (DeepSpeed's mean over
+    ranks undone by the world size, as in SFT) and the optimizer steps at the last. Returns (grad norm, the sums of
+    [loss, *numbers] over every rank)."""
+    sums, grad_norm = torch.zeros(width, dtype=torch.float64), 0.0
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        engine.set_gradient_accumulation_boundary(last)
+        loss, numbers = loss_and_stats(batch.to(dist.device))
+        engine.backward(loss * dist.world_size)
+        if last:
+            grad_norm = optimizer_step(engine)
+        else:
+            engine.step()
+        sums += torch.tensor([loss.item(), *numbers], dtype=torch.float64)
+    return grad_norm, all_reduce_sum(sums.tolist(), dist.device)
+
+
 def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> dict:
     """One optimizer step over this rank's planned micro-batches; the loss is ``sum_t w_t loss_t`` over the step.
 
     ``w_t`` comes from the step's totals over every rank (``step.label_tokens``: its completion tokens;
-    ``step.samples``: its completions), so each micro-batch's part needs no communication, and DeepSpeed's
-    mean over ranks is undone by scaling with the world size, as in SFT.
+    ``step.samples``: its completions), so each micro-batch's part needs no communication.
     """
-    engine, sums = parts.engine, torch.zeros(7, dtype=torch.float64)
-    micro_batches = parts.batcher.collate(step.micro_batches)
-    grad_norm = 0.0
-    for index, batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        engine.set_gradient_accumulation_boundary(last)
-        batch = batch.to(dist.device)
+    def loss_and_stats(batch):
         entropy = torch.empty(batch.labels.numel(), device=dist.device)
-        logp = response_values(batch, engine(batch, entropy=entropy))
+        logp = response_values(batch, parts.engine(batch, entropy=entropy))
         entropy = response_values(batch, entropy)
         old = in_batch_order(batch, parts.old, dist.device) if parts.old is not None else logp.detach()
         ref = in_batch_order(batch, parts.ref, dist.device) if settings.use_kl_loss else None
@@ -221,16 +233,13 @@ def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInf
         segment_ids = response_segment_ids(batch, parts.lengths, dist.device)
         weights = token_weights(segment_ids, settings.loss_agg_mode, step.label_tokens[0], step.samples,
                                 settings.generate_max_len)
-        loss = (terms.loss * weights).sum()
-        engine.backward(loss * dist.world_size)
-        if last:
-            grad_norm = optimizer_step(engine)
-        else:
-            engine.step()
-        sums += torch.tensor([loss.item(), terms.clipped.sum().item(), terms.tis_clipped.sum().item(),
-                              entropy.sum().item(), (old - behaviour).abs().sum().item(), terms.kl.sum().item(),
-                              logp.numel()], dtype=torch.float64)
-    loss, clipped, tis_clipped, entropy, mismatch, kl_sum, tokens = all_reduce_sum(sums.tolist(), dist.device)
+        return (terms.loss * weights).sum(), [terms.clipped.sum().item(), terms.tis_clipped.sum().item(),
+                                              entropy.sum().item(), (old - behaviour).abs().sum().item(),
+                                              terms.kl.sum().item(), logp.numel()]
+
+    grad_norm, sums = accumulated_step(parts.engine, parts.batcher.collate(step.micro_batches), dist,
+                                       loss_and_stats, 7)
+    loss, clipped, tis_clipped, entropy, mismatch, kl_sum, tokens = sums
     tokens = max(tokens, 1)
     return {"policy_loss": loss, "clip_ratio": clipped / tokens, "tis_clip_ratio": tis_clipped / tokens,
             "entropy": entropy / tokens, "vllm_logp_diff": mismatch / tokens,
@@ -240,25 +249,15 @@ def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInf
 def critic_update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> dict:
     """One optimizer step of the critic over the same planned micro-batches: the clipped value loss, weighed per
     token over the step's completion tokens (as OpenRLHF's critic averages over tokens)."""
-    engine, sums = parts.critic, torch.zeros(4, dtype=torch.float64)
-    micro_batches = parts.batcher.collate(step.micro_batches)
-    grad_norm = 0.0
-    for index, batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        engine.set_gradient_accumulation_boundary(last)
-        batch = batch.to(dist.device)
-        values = response_values(batch, engine(batch))
+    def loss_and_stats(batch):
+        values = response_values(batch, parts.critic(batch))
         terms = value_terms(values, in_batch_order(batch, parts.values, dist.device),
                             in_batch_order(batch, parts.returns, dist.device), settings.value_clip)
-        loss = (terms.loss / step.label_tokens[0]).sum()
-        engine.backward(loss * dist.world_size)
-        if last:
-            grad_norm = optimizer_step(engine)
-        else:
-            engine.step()
-        sums += torch.tensor([loss.item(), terms.clipped.sum().item(), values.detach().sum().item(), values.numel()],
-                             dtype=torch.float64)
-    loss, clipped, value_sum, tokens = all_reduce_sum(sums.tolist(), dist.device)
+        return (terms.loss / step.label_tokens[0]).sum(), [terms.clipped.sum().item(), values.detach().sum().item(),
+                                                           values.numel()]
+
+    grad_norm, (loss, clipped, value_sum, tokens) = accumulated_step(
+        parts.critic, parts.batcher.collate(step.micro_batches), dist, loss_and_stats, 4)
     tokens = max(tokens, 1)
     return {"critic_loss": loss, "value_clip_ratio": clipped / tokens, "values": value_sum / tokens,
             "critic_grad_norm": grad_norm}
