@@ -97,6 +97,7 @@ def token_logprobs(
     labels: torch.Tensor,
     chunk_tokens: int | None = None,
     entropy: torch.Tensor | None = None,
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-prob of each label under ``softmax(hidden @ weight.T)``.
 
@@ -105,14 +106,16 @@ def token_logprobs(
     ignored positions. ``entropy`` ([T] fp32, optional) is filled with the
     entropy of each labelled position's distribution (0.0 elsewhere), a
     metric computed from the logits chunk already in memory: no gradient, no
-    second projection.
+    second projection. ``sources`` ([T] int64, prefix sharing: ``PackedBatch.label_source``) names the
+    hidden row each label is predicted from; None: its own row.
     """
     labels = labels.reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
     positions = (labels != IGNORE_INDEX).nonzero()[:, 0]
     picked_entropy = None if entropy is None else torch.zeros(positions.numel(), device=hidden.device)
-    picked = _ChunkedLabelLogprobs.apply(hidden[positions], weight, labels[positions], chunk_tokens, picked_entropy)
+    rows = positions if sources is None else sources.reshape(-1)[positions]
+    picked = _ChunkedLabelLogprobs.apply(hidden[rows], weight, labels[positions], chunk_tokens, picked_entropy)
     if entropy is not None:
         entropy.zero_().index_put_((positions,), picked_entropy)
     out = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)

@@ -54,7 +54,8 @@ class RankStep:
     micro_batches: list[list[int]]
     samples: int
     real_tokens: int
-    label_tokens: tuple[int, ...]  # over the step's samples, per segment position (SFT: one; a pair: chosen, rejected)
+    label_tokens: tuple[int, ...]  # over the step's samples, per segment position (SFT: one; a pair: chosen, rejected;
+    #                               --prefix_sharing: prompt, chosen, rejected)
     rows: int  # micro-batches over all ranks
     max_tokens: int | None
     digest: str = ""  # what the step trains on, the same on every rank and layout (``step_digest``)

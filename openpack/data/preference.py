@@ -75,7 +75,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from openpack.core.batch import CHOSEN, REJECTED, Segment
+from openpack.core.batch import CHOSEN, PROMPT, REJECTED, Segment
 from openpack.data import formats
 from openpack.data.formats import SKIP_FIX, as_turn, check_roles, common_prefix, fill_template, is_messages
 from openpack.data.loading import DataError, Rows, skip_or_raise
@@ -121,6 +121,22 @@ class PreferencePair:
     def lengths(self) -> tuple[int, int]:
         """Tokens in (prompt+chosen, prompt+rejected)."""
         return len(self.prompt) + len(self.chosen), len(self.prompt) + len(self.rejected)
+
+    def shared_segments(self, sample_index: int) -> list[Segment]:
+        """--prefix_sharing: [prompt (PROMPT), chosen (CHOSEN), rejected (REJECTED)], one group computing the
+        prompt once; chosen and rejected follow it (``Segment.after_prompt``) and train on every token, the same
+        tokens ``segments`` trains on. The example above is 4 + 2 + 2 = 8 tokens instead of 12."""
+        return [
+            Segment(self.prompt, [False] * len(self.prompt), sample_index, PROMPT),
+            Segment(self.chosen, [True] * len(self.chosen), sample_index, CHOSEN, after_prompt=True),
+            Segment(self.rejected, [True] * len(self.rejected), sample_index, REJECTED, after_prompt=True),
+        ]
+
+
+def pair_segments(prefix_sharing: bool):
+    """How a pair becomes segments, ``(pair, sample_index) -> list[Segment]``: two sequences prompt + chosen and
+    prompt + rejected, or one prompt | chosen | rejected group with ``--prefix_sharing``."""
+    return PreferencePair.shared_segments if prefix_sharing else PreferencePair.segments
 
 
 @dataclass

@@ -14,6 +14,21 @@ first backend that is available:
 backend. Without ``cu_seq_lens_q`` (generation, evaluation, padded batches) it
 is plain transformers SDPA, so the same model object also generates.
 
+Prefix sharing (``shared_prefix`` in the keyword arguments; see
+``core.batch.SharedPrefix``): a pair laid out prompt | chosen | rejected runs
+as two varlen calls on every backend. First, every row but the rejected ones,
+with prompt + chosen as one causal segment; then the rejected rows over the
+keys of their prompt and themselves, causal aligned to the bottom-right
+corner, so a rejected token sees the whole prompt and the rejected tokens up
+to itself, never chosen. Keys are gathered so that their index in that call
+equals their position, which makes a sliding window apply in position space.
+flash-attn and torch varlen align ``causal`` bottom-right when a query block
+is shorter than its keys (flash-attn >= 2.1; PyTorch's FlashAttention-2);
+those two paths follow the libraries' public APIs and have not run here (no
+CUDA). On CPU the second call is SDPA per response with an explicit
+bottom-right mask; ``models.verify.shared_prefix_mask`` is the block-mask
+reference it is tested against.
+
 Boundaries are never guessed from ``position_ids``. A packed forward with a KV
 cache is refused: transformers' own packed-sequence detection switches off
 when a cache is present (measured 0.50 max logit error on a tiny Llama).
@@ -22,6 +37,7 @@ when a cache is present (measured 0.50 max logit error on a tiny Llama).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 
 import torch
@@ -95,10 +111,70 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         logger.info("packed attention backend: %s (%s, %s)", backend, query.device, query.dtype)
     window = kwargs.get("sliding_window")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    shared = kwargs.get("shared_prefix")
+    if shared is not None:
+        out = _shared_prefix_attention(backend, q, k, v, shared, scaling, dropout, window, module.num_key_value_groups)
+        return out[None], None
     out = _KERNELS[backend](
         q, k, v, cu_seqlens, int(kwargs["max_length_q"]), scaling, dropout, window, module.num_key_value_groups
     )
     return out[None], None  # [1, T, Hq, D], as transformers' backends return
+
+
+def _shared_prefix_attention(backend, q, k, v, shared, scale, dropout, window, groups):
+    """The two passes of ``core.batch.SharedPrefix``: main segments, then later responses over prompt + self."""
+    rows = shared.main_rows
+    main = _KERNELS[backend](q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows),
+                             shared.main_cu_seqlens, shared.main_max_seqlen, scale, dropout, window, groups)
+    if shared.cross_rows.numel() == 0:
+        return main.index_select(0, shared.restore)
+    keys = shared.cross_keys
+    cross = _CROSS_KERNELS[backend](
+        q.index_select(0, shared.cross_rows), k.index_select(0, keys), v.index_select(0, keys),
+        shared.cross_cu_seqlens_q, shared.cross_cu_seqlens_k, shared.cross_max_seqlen_q, shared.cross_max_seqlen_k,
+        scale, dropout, window, groups,
+    )
+    return torch.cat([main, cross]).index_select(0, shared.restore)
+
+
+def _flash_attn_cross(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, _groups):
+    from flash_attn import flash_attn_varlen_func
+
+    # With fewer queries than keys, flash-attn >= 2.1 aligns causal (and the window) to the bottom-right corner.
+    window_size = (window - 1, 0) if window else (-1, -1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k,
+        dropout_p=dropout, softmax_scale=scale, causal=True, window_size=window_size,
+    )
+
+
+def _torch_varlen_cross(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups):
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout:
+        raise ValueError("torch_varlen attention has no dropout; use flash_attn or set attention_dropout=0")
+    # FlashAttention-2 underneath: causal and the window align to the bottom-right corner, as in flash-attn.
+    window_size = (window - 1, 0) if window else (-1, 0)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=groups > 1)
+
+
+def _sdpa_cross(q, k, v, cu_q, cu_k, _max_q, _max_k, scale, dropout, window, groups):
+    """SDPA per response (queries) over its prompt's keys and its own, with a bottom-right causal mask."""
+    outputs = []
+    for (q0, q1), (k0, k1) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist())):
+        mask = _bottom_right_mask(q1 - q0, k1 - k0, window, q.device)
+        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1]))  # [1, H, L, D]
+        attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                                  enable_gqa=groups > 1)
+        outputs.append(attended[0].transpose(0, 1))
+    return torch.cat(outputs)
+
+
+def _bottom_right_mask(queries: int, keys: int, window: int | None, device) -> torch.Tensor:
+    """[queries, keys] bool: query i (the last ``queries`` of ``keys``) sees key j <= i + keys - queries,
+    and with a window only the ``window`` latest of them."""
+    distance = torch.arange(queries, device=device)[:, None] + (keys - queries) - torch.arange(keys, device=device)
+    return (distance >= 0) & (distance < window) if window else distance >= 0
 
 
 def _flash_attn_kernel(q, k, v, cu_seqlens, max_seqlen, scale, dropout, window, _groups):
@@ -183,6 +259,7 @@ def _unpacked_attention(module, query, key, value, attention_mask, dropout, scal
 
 
 _KERNELS = {"flash_attn": _flash_attn_kernel, "torch_varlen": _torch_varlen_kernel, "sdpa": _sdpa_kernel}
+_CROSS_KERNELS = {"flash_attn": _flash_attn_cross, "torch_varlen": _torch_varlen_cross, "sdpa": _sdpa_cross}
 
 
 def _mask_for_packed(batch_size, q_length, kv_length, *args, **kwargs):

@@ -57,7 +57,8 @@ def packed_token_logprobs(model, batch: PackedBatch, chunk_tokens: int | None = 
     """log p(label_t) for every position of the row: [T] fp32, 0.0 where there is no label (``entropy``: see
     ``core.logprobs.token_logprobs``)."""
     weight = lm_head_weight(model)
-    return token_logprobs(packed_forward(model, batch), weight, batch.labels[0], chunk_tokens, entropy)
+    return token_logprobs(packed_forward(model, batch), weight, batch.labels[0], chunk_tokens, entropy,
+                          batch.label_source)
 
 
 def padded_token_logprobs(model, batch: PaddedBatch, chunk_tokens: int | None = None,

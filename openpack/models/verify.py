@@ -25,6 +25,23 @@ def random_segments(lengths, vocab_size: int, seed: int = 0) -> list[Segment]:
     ]
 
 
+def shared_prefix_mask(batch, window: int | None = None) -> torch.Tensor:
+    """The block mask of a prefix-shared packed row, [T, T] bool (row attends to column): the reference the
+    two-pass kernels of ``models.attention`` are tested against.
+
+    A row sees columns of its own segment and of the prompt its segment follows, at positions <= its own and,
+    with a ``window``, within ``window`` positions of it (Mistral's window, in position space).
+    """
+    segment = batch.segment_ids
+    prompt = batch.shared_prefix.prompt_segment[segment]  # [T]: the prompt each row's segment follows, or -1
+    position = batch.position_ids[0]
+    same = segment[:, None] == segment[None, :]
+    of_prompt = prompt[:, None] == segment[None, :]
+    distance = position[:, None] - position[None, :]
+    visible = (same | of_prompt) & (distance >= 0)
+    return visible & (distance < window) if window else visible
+
+
 @contextmanager
 def attention_implementation(model, name: str):
     previous = model.config._attn_implementation
