@@ -34,9 +34,18 @@ class PreferenceDataConfig(DatasetConfig):
                                     "tokenizer's chat template (lists of messages always do)")
     input_template: str | None = arg(None, "text prompts become this with {} replaced by the prompt, e.g. "
                                      "$'User: {}\\nAssistant: ' (OpenRLHF's flag)")
+    prefix_sharing: bool = arg(False, "pack each pair as one group prompt | chosen | rejected, the prompt computed "
+                               "once, with the same results (needs --packing_samples; docs/dpo.md)")
 
     def validate(self):
         check_template_flags(self.input_template, self.apply_chat_template)
+
+
+def check_prefix_sharing(data_cfg: PreferenceDataConfig, train_cfg) -> None:
+    """--prefix_sharing lays a pair out in one packed row, so it needs --packing_samples."""
+    if data_cfg.prefix_sharing and not train_cfg.packing_samples:
+        raise ConfigError("--prefix_sharing lays each pair out as one packed group prompt | chosen | rejected: add "
+                          "--packing_samples (padded rows cannot share a prompt), or drop --prefix_sharing")
 
 
 @dataclass
@@ -117,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"a pair is up to 2 x --max_len = {2 * data_cfg.max_len} tokens, more than --max_tokens_per_gpu "
                 f"{train_cfg.max_tokens_per_gpu}; lower --max_len or raise --max_tokens_per_gpu"
             )
+        check_prefix_sharing(data_cfg, train_cfg)
         if dpo_cfg.ref_offload and model_cfg.zero_stage != 3:
             raise ConfigError("--ref_offload needs --zero_stage 3 (the reference's parameters are offloaded by ZeRO-3)")
         _check_reference_group(dpo_cfg, launch_cfg)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from openpack.cli.config import ConfigError, arg, parse_config
-from openpack.cli.train_dpo import PreferenceDataConfig
+from openpack.cli.train_dpo import PreferenceDataConfig, check_prefix_sharing
 from openpack.cli.train_sft import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce, check_consistency,
                                     check_inputs, demo_sft_model, save_all, with_demo_defaults)
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"a pair is up to 2 x --max_len = {2 * data_cfg.max_len} tokens, more than --max_tokens_per_gpu "
                 f"{train_cfg.max_tokens_per_gpu}; lower --max_len or raise --max_tokens_per_gpu"
             )
+        check_prefix_sharing(data_cfg, train_cfg)
         check_inputs((data_cfg.dataset or []) + (rm_cfg.eval_dataset or []), {"--pretrain": model_cfg.pretrain})
     except (ConfigError, DataError, ModelLoadError) as err:
         print(f"openpack train_rm: {err}", file=sys.stderr)

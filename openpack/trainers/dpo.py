@@ -68,7 +68,7 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
     start = time.perf_counter()
     pairs = step.samples
     # The sft term is a token mean over the step's chosen tokens (as TRL's is over its batch), counted by the plan.
-    chosen_tokens = step.label_tokens[0]  # a pair's segments are (chosen, rejected)
+    chosen_tokens = step.label_tokens[-2]  # a pair's segments: (chosen, rejected), or (prompt, chosen, rejected)
     params = dataclasses.replace(objective.params, sft_tokens_per_pair=chosen_tokens / pairs)
     micro_batches = batcher.collate(step.micro_batches)
     sums, grad_norm = [0.0] * len(STATS), None

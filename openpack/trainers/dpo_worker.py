@@ -16,10 +16,9 @@ import hashlib
 import logging
 from pathlib import Path
 
-from openpack.core.batch import Segment
 from openpack.core.losses import LossParams, needs_reference
 from openpack.core.schedule import RankPlan
-from openpack.data.preference import PreferencePair, tokenize_pairs
+from openpack.data.preference import PreferencePair, pair_segments, tokenize_pairs
 from openpack.distributed.process import barrier
 from openpack.models.loading import load_causal_lm, load_tokenizer
 from openpack.models.packed import PackedCausalLM
@@ -46,7 +45,8 @@ def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_s
     pairs, report = _tokenize(rows, tokenizer, data_cfg, data_cfg.skip_bad_samples)
     logger.info("data: %s", report.summary(len(pairs), data_cfg.max_len, rows.skipped))
     scoring = dpo_cfg.ref_logps_cache is not None and needs_reference(dpo_cfg.losses()[0])
-    return pairs, plan_ranks(pairs, _segments, datasets, train_cfg, world_size, _fingerprint(pairs), scoring)
+    return pairs, plan_ranks(pairs, pair_segments(data_cfg.prefix_sharing), datasets, train_cfg, world_size,
+                             _fingerprint(pairs), scoring)
 
 
 def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, save_config=None,
@@ -69,7 +69,8 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     else:  # the driver's plan: tokenize only this rank's rows
         rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
         items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False, warn=False)[0])
-    pairs = {i: _segments(items[i], i) for i in plan.sample_ids()}
+    segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
+    pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
     run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config)
 
@@ -98,10 +99,6 @@ def _tokenize(rows, tokenizer, data_cfg, skip_bad_samples: bool, warn: bool = Tr
     return tokenize_pairs(rows, tokenizer, data_cfg.prompt_key, data_cfg.chosen_key, data_cfg.rejected_key,
                           data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples, warn,
                           apply_chat_template=data_cfg.apply_chat_template, input_template=data_cfg.input_template)
-
-
-def _segments(pair: PreferencePair, index: int) -> list[Segment]:
-    return pair.segments(index)
 
 
 def build_reference(model_cfg, dpo_cfg, train_cfg, demo_model=None) -> reference.ModelReference:

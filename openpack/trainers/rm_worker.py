@@ -23,11 +23,10 @@ from pathlib import Path
 
 import torch
 
-from openpack.core.batch import Segment
 from openpack.core.reward_losses import reward_pair_losses
 from openpack.core.schedule import RankPlan
 from openpack.data.loading import Rows, load_rows
-from openpack.data.preference import PreferencePair, tokenize_pairs
+from openpack.data.preference import PreferencePair, pair_segments, tokenize_pairs
 from openpack.distributed.process import barrier
 from openpack.models.loading import load_tokenizer
 from openpack.models.reward import HEAD, PackedRewardModel, load_reward_model, rename_head, set_normalization
@@ -72,7 +71,8 @@ def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, world_si
     rows, _ = _training_rows(datasets, data_cfg, rm_cfg, train_cfg.seed)
     pairs, report = _tokenize(rows, tokenizer, data_cfg, rm_cfg, data_cfg.skip_bad_samples)
     logger.info("data: %s", report.summary(len(pairs), data_cfg.max_len, rows.skipped))
-    plans = plan_ranks(pairs, _segments, datasets, train_cfg, world_size, scoring=rm_cfg.normalize_reward)
+    plans = plan_ranks(pairs, pair_segments(data_cfg.prefix_sharing), datasets, train_cfg, world_size,
+                       scoring=rm_cfg.normalize_reward)
     return pairs, plans
 
 
@@ -92,7 +92,8 @@ def run_rm(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, demo_model=None, sav
     else:  # the driver's plan: tokenize only this rank's rows
         rows, _ = _training_rows(plan.datasets, data_cfg, rm_cfg, train_cfg.seed)
         items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, rm_cfg, False, False)[0])
-    pairs = {i: _segments(items[i], i) for i in plan.sample_ids()}
+    segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
+    pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
     module = PackedRewardModel(model)
     run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config, module=module)
@@ -128,10 +129,6 @@ def _tokenize(rows, tokenizer, data_cfg, rm_cfg, skip_bad_samples: bool, warn: b
                           data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples, warn,
                           apply_chat_template=data_cfg.apply_chat_template, input_template=data_cfg.input_template,
                           margin_key=rm_cfg.margin_key)
-
-
-def _segments(pair: PreferencePair, index: int) -> list[Segment]:
-    return pair.segments(index)
 
 
 def _held_out_pairs(tokenizer, data_cfg, rm_cfg, seed: int, datasets, is_demo: bool) -> list | None:

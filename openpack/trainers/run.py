@@ -60,7 +60,7 @@ def plan_ranks(items: list, segments: Callable[[object, int], list[Segment]], da
     """
     per_sample = [segments(item, i) for i, item in enumerate(items)]
     lengths = [tuple(len(seg.tokens) for seg in segs) for segs in per_sample]
-    labels = [tuple(sum(seg.targets[1:]) for seg in segs) for segs in per_sample]
+    labels = [tuple(seg.num_labels for seg in segs) for segs in per_sample]
     steps = plan_run(lengths, labels, world_size, batching(train_cfg), train_cfg.train_batch_size,
                      train_cfg.max_epochs, train_cfg.max_steps, train_cfg.seed)
     if not steps[0]:

@@ -48,6 +48,21 @@ def test_layouts_give_the_same_steps(layout, reference_run, tmp_path, tiny_pretr
     assert_same_run(dpo(tmp_path / layout, tiny_pretrain, tiny_reference, dpo_jsonl, *LAYOUTS[layout]), reference_run)
 
 
+def test_prefix_sharing_gives_the_same_steps(reference_run, tmp_path, tiny_pretrain, tiny_reference, dpo_jsonl):
+    """One group prompt | chosen | rejected per pair (the prompt computed once; some pairs cut to --max_len 48):
+    fewer tokens per step, the same losses (with the NLL term's chosen-token count), grad norms and weights."""
+    flags = [*LAYOUTS["packed_dynamic"], "--prefix_sharing"]
+    shared = dpo(tmp_path / "shared", tiny_pretrain, tiny_reference, dpo_jsonl, *flags)
+    assert_same_run(shared, reference_run)
+    assert all(s["tokens"] < u["tokens"] for s, u in zip(read_metrics(shared), read_metrics(reference_run)))
+
+
+def test_prefix_sharing_needs_packing(tmp_path, tiny_pretrain, dpo_jsonl, capsys):
+    argv = ["--pretrain", tiny_pretrain, "--dataset", dpo_jsonl, "--save_path", str(tmp_path), "--prefix_sharing"]
+    assert train_dpo.main(argv) == 2
+    assert "add --packing_samples" in capsys.readouterr().err
+
+
 def test_pairs_are_packed_and_metrics_named_as_trl(reference_run):
     for m in read_metrics(reference_run):
         assert m["pairs"] == 8 and m["micro_batches"] < 8 and 0 < m["packing_efficiency"] <= 1

@@ -56,6 +56,13 @@ def test_layouts_give_the_same_steps(layout, reference_run, tmp_path, tiny_pretr
     assert_same_run(rm(tmp_path / layout, tiny_pretrain, rm_jsonl, *LAYOUTS[layout]), reference_run)
 
 
+def test_prefix_sharing_gives_the_same_steps(reference_run, tmp_path, tiny_pretrain, rm_jsonl):
+    """One group prompt | chosen | rejected per pair, rewards read at each response's last token: the same run."""
+    shared = rm(tmp_path / "shared", tiny_pretrain, rm_jsonl, *LAYOUTS["packed_dynamic"], "--prefix_sharing")
+    assert_same_run(shared, reference_run)
+    assert all(s["tokens"] < u["tokens"] for s, u in zip(read_metrics(shared), read_metrics(reference_run)))
+
+
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank(reference_run, tmp_path, tiny_pretrain, rm_jsonl):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -153,3 +160,5 @@ def test_flag_checks(tmp_path, tiny_pretrain, rm_jsonl, capsys):
     assert "--loss logexp takes no margin" in capsys.readouterr().err
     assert train_rm.main([*argv, "--eval_dataset", rm_jsonl, "--eval_split_ratio", "0.1"]) == 2
     assert "not both" in capsys.readouterr().err
+    assert train_rm.main([*argv, "--prefix_sharing"]) == 2
+    assert "add --packing_samples" in capsys.readouterr().err
