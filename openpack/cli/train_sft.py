@@ -27,6 +27,36 @@ class ModelConfig:
     zero_stage: int = arg(2, "DeepSpeed ZeRO stage", choices=[0, 1, 2, 3])
     adam_offload: bool = arg(False, "offload optimizer states to CPU (ZeRO stage >= 1)")
     param_offload: bool = arg(False, "offload parameters to CPU (ZeRO stage 3)")
+    lora_rank: int = arg(0, "LoRA rank: train low-rank adapters (peft) instead of every weight; the saved model is "
+                         "merged, the adapter alone goes to <save_path>/adapter", at_least=0,
+                         special={0: "no LoRA, every weight trains"})
+    lora_alpha: int = arg(16, "LoRA scaling numerator: adapters add (lora_alpha / lora_rank) B A", above=0)
+    lora_dropout: float = arg(0.0, "dropout on the LoRA input", at_least=0, below=1)
+    target_modules: list[str] = arg(["all-linear"], "modules that get adapters, by name (e.g. q_proj v_proj); "
+                                    "all-linear: every linear layer but the output head")
+    load_in_4bit: bool = arg(False, "QLoRA: the frozen base weights in 4-bit NF4 (bitsandbytes, CUDA GPU); "
+                             "needs --lora_rank")
+
+    def validate(self):
+        check_lora_flags(self)
+
+
+def check_lora_flags(model: ModelConfig) -> None:
+    """--load_in_4bit only with adapters, and only where bitsandbytes runs: refused before any model loads."""
+    if not model.load_in_4bit:
+        return
+    if not model.lora_rank:
+        raise ConfigError("--load_in_4bit freezes the base in 4 bits and trains LoRA adapters on it: give "
+                          "--lora_rank (e.g. 16)")
+    if model.zero_stage == 3:
+        raise ConfigError("--load_in_4bit with --zero_stage 3 is not supported here (4-bit weights are not "
+                          "partitioned); use --zero_stage 2")
+    from openpack.models.lora import LoRAUnavailable, check_4bit_available
+
+    try:
+        check_4bit_available()
+    except LoRAUnavailable as err:
+        raise ConfigError(str(err)) from err
 
 
 @dataclass

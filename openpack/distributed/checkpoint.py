@@ -164,24 +164,40 @@ def _disk_full_is_an_error(target: Path, staging: Path, what: str, intact: str) 
 # ------------------------------------------------------------------------------------------- saving
 
 
-def save_hf_model(engine, tokenizer, out_dir: Path, is_main: bool) -> None:
-    """Write engine.module.model as a Hugging Face folder, atomically (ZeRO-3 parameters gathered)."""
+def save_hf_model(engine, tokenizer, out_dir: Path, is_main: bool, adapter_dir: Path | None = None) -> None:
+    """Write engine.module.model as a Hugging Face folder, atomically (ZeRO-3 parameters gathered).
+
+    A LoRA model is written merged (base + adapters, loadable without peft) and, with ``adapter_dir``, its
+    adapter alone there too (peft's ``PeftModel.from_pretrained`` folder).
+    """
     import deepspeed
+
+    from openpack.models import lora
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     model = engine.module.model
+    adapter_dir = Path(adapter_dir) if adapter_dir is not None and lora.is_lora(model) else None
+    adapter_tmp = adapter_dir.with_name(f".{adapter_dir.name}.tmp") if adapter_dir else None
     params = list(model.parameters())
     intact = f"{out_dir} is as it was" if out_dir.exists() else f"nothing was written to {out_dir}"
     with _disk_full_is_an_error(out_dir, tmp, "the model", intact):
         with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
             if is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-                model.save_pretrained(tmp, safe_serialization=True)
+                if lora.is_lora(model):
+                    lora.save_merged(model, tmp)
+                else:
+                    model.save_pretrained(tmp, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
+                if adapter_dir:
+                    shutil.rmtree(adapter_tmp, ignore_errors=True)
+                    model.save_pretrained(adapter_tmp, safe_serialization=True)
         if is_main:
             _replace_dir(tmp, out_dir)
+            if adapter_dir:
+                _replace_dir(adapter_tmp, adapter_dir)
     barrier()
 
 

@@ -88,7 +88,8 @@ def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     for param in module.parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]  # LoRA trains no 1-D parameter; ZeRO drops empty groups
 
 
 def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig, world_size: int):

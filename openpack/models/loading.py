@@ -46,15 +46,29 @@ def load_tokenizer(pretrain: str):
     return tokenizer
 
 
-def load_causal_lm(pretrain: str, bf16: bool = False, gradient_checkpointing: bool = False, flag: str = "--pretrain"):
-    """``AutoModelForCausalLM.from_pretrained`` with ``attn_implementation="openpack_varlen"``; errors name ``flag``."""
+def load_causal_lm(pretrain: str, bf16: bool = False, gradient_checkpointing: bool = False, flag: str = "--pretrain",
+                   load_in_4bit: bool = False):
+    """``AutoModelForCausalLM.from_pretrained`` with ``attn_implementation="openpack_varlen"``; errors name ``flag``.
+
+    ``load_in_4bit``: QLoRA's frozen 4-bit base on this process's GPU (``models.lora``)."""
     from transformers import AutoModelForCausalLM
 
     model = _from_pretrained(
         AutoModelForCausalLM, pretrain, "model", flag,
         attn_implementation=register_packed_attention(), dtype=torch.bfloat16 if bf16 else torch.float32,
+        **quantized(load_in_4bit, bf16),
     )
     return prepare_for_training(model, gradient_checkpointing)
+
+
+def quantized(load_in_4bit: bool, bf16: bool) -> dict:
+    """from_pretrained's arguments for a 4-bit base (QLoRA), placed on the current GPU; {} otherwise."""
+    if not load_in_4bit:
+        return {}
+    from openpack.models.lora import check_4bit_available, quantization_config
+
+    check_4bit_available()
+    return {"quantization_config": quantization_config(bf16), "device_map": {"": torch.cuda.current_device()}}
 
 
 def prepare_for_training(model, gradient_checkpointing: bool = False):

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from openpack.core.batch import PackedBatch, last_token_index
-from openpack.models.loading import ModelLoadError, _from_pretrained, prepare_for_training
+from openpack.models.loading import ModelLoadError, _from_pretrained, prepare_for_training, quantized
 from openpack.models.packed import packed_forward
 
 HEAD = "score"  # transformers' name for the head of every *ForSequenceClassification
@@ -100,7 +100,8 @@ def check_reward_model(pretrain: str, flag: str = "--reward_pretrain") -> None:
 
 
 def load_reward_model(pretrain: str, bf16: bool = False, gradient_checkpointing: bool = False,
-                      value_head_prefix: str = HEAD, pad_token_id: int | None = None, flag: str = "--pretrain"):
+                      value_head_prefix: str = HEAD, pad_token_id: int | None = None, flag: str = "--pretrain",
+                      load_in_4bit: bool = False):
     """``AutoModelForSequenceClassification`` with one label and openpack's packed attention.
 
     A causal LM gets a new head (transformers' initialisation, drawn from the current torch seed); a head saved
@@ -113,7 +114,7 @@ def load_reward_model(pretrain: str, bf16: bool = False, gradient_checkpointing:
 
     model = _from_pretrained(AutoModelForSequenceClassification, pretrain, "reward model", flag, num_labels=1,
                              attn_implementation=register_packed_attention(),
-                             dtype=torch.bfloat16 if bf16 else torch.float32)
+                             dtype=torch.bfloat16 if bf16 else torch.float32, **quantized(load_in_4bit, bf16))
     if value_head_prefix != HEAD:
         _load_head(model, Path(pretrain), value_head_prefix, flag)
     if pad_token_id is not None:

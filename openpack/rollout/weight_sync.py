@@ -48,8 +48,14 @@ def policy_weights(module: torch.nn.Module, zero_stage: int) -> Iterator[tuple[s
     """(HF name, detached full tensor) for each parameter of a PackedCausalLM (the DeepSpeed engine's module).
 
     Under ZeRO-3 each parameter is gathered alone and copied before the next is gathered. Every rank must
-    exhaust this iterator in the same order, because the gathers are collective.
+    exhaust this iterator in the same order, because the gathers are collective. A LoRA policy sends its merged
+    weights under the base model's names (``models.lora.merged_weights``): vLLM holds the plain model.
     """
+    from openpack.models.lora import is_lora, merged_weights
+
+    if is_lora(module.model):
+        yield from merged_weights(module.model, zero_stage)
+        return
     for name, param in module.named_parameters():
         if zero_stage == 3 and hasattr(param, "ds_id"):
             import deepspeed

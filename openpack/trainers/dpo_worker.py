@@ -21,6 +21,7 @@ from openpack.core.schedule import RankPlan
 from openpack.data.preference import PreferencePair, pair_segments, tokenize_pairs
 from openpack.distributed.process import barrier
 from openpack.models.loading import load_causal_lm, load_tokenizer
+from openpack.models.lora import apply_lora
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers import demo, reference
 from openpack.trainers.batching import MicroBatcher, scoring_batches, warn_if_memory_short
@@ -58,8 +59,11 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     dist = start_worker(model_cfg, train_cfg.seed)
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
-    model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing).to(dist.device)
-    colocated = needs_reference(dpo_cfg.losses()[0]) and reference_group is None and dpo_cfg.ref_logps_cache is None
+    model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing,
+                           load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
+    own_reference = bool(model_cfg.lora_rank) and not dpo_cfg.ref_pretrain  # LoRA: the base is the reference
+    colocated = needs_reference(dpo_cfg.losses()[0]) and reference_group is None and dpo_cfg.ref_logps_cache is None \
+        and not own_reference
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2,
                          frozen_params=sum(p.numel() for p in model.parameters()) if colocated else 0)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
@@ -72,6 +76,7 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
+    model = apply_lora(model, model_cfg)
     run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config)
 
     loss_types, weights = dpo_cfg.losses()
@@ -80,8 +85,9 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     eval_batches = scoring_batches(eval_pairs, train_cfg.max_tokens_per_gpu, dist) if eval_pairs is not None else None
     scorer, eval_ref = None, None
     if needs_reference(loss_types):
+        adapters_off = reference.AdapterReference(run.engine, model, dist.device) if own_reference else None
         scorer, eval_ref = _reference(dpo_cfg.ref_pretrain or pretrain, model_cfg, dpo_cfg, plan, pairs, dist,
-                                      eval_batches, eval_pairs, reference_group)
+                                      eval_batches, eval_pairs, reference_group, adapters_off)
     objective = PreferenceObjective(loss_types, weights, params, scorer)
 
     with run.tracker:
@@ -114,10 +120,16 @@ def _reference_model(ref_name, model_cfg, dpo_cfg, dist) -> reference.ModelRefer
         reference.reference_engine(ref_model, model_cfg.zero_stage, dpo_cfg.ref_offload, model_cfg.bf16), dist.device)
 
 
-def _reference(ref_name, model_cfg, dpo_cfg, plan, pairs, dist, eval_batches, eval_pairs, reference_group):
-    """The reference scorer for training, and (demo) the reference log-probs of the held-out pairs."""
+def _reference(ref_name, model_cfg, dpo_cfg, plan, pairs, dist, eval_batches, eval_pairs, reference_group,
+               adapters_off=None):
+    """The reference scorer for training, and (demo) the reference log-probs of the held-out pairs.
+
+    ``adapters_off`` (LoRA without --ref_pretrain): the policy with its adapters disabled, unless the reference
+    has its own actor group."""
     if reference_group is not None:
         scorer = reference_group.scorer(dist.rank)
+    elif adapters_off is not None:
+        scorer = adapters_off
     else:
         scorer = _reference_model(ref_name, model_cfg, dpo_cfg, dist)
     eval_ref = None

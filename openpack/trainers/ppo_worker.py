@@ -35,6 +35,7 @@ from openpack.core.schedule import RankPlan, RankStep
 from openpack.data.loading import DataError, load_rows
 from openpack.data.prompts import Prompt, tokenize_prompts
 from openpack.models.loading import load_causal_lm, load_tokenizer
+from openpack.models.lora import apply_lora, is_lora
 from openpack.trainers import demo, reference
 from openpack.trainers.generation import Generator, RolloutPipeline, make_generator, vllm_options  # noqa: F401
 from openpack.trainers.ppo import RLSettings, Rollouts, rollout_metrics, shaped_rewards, shared_rewards, train_on
@@ -155,7 +156,9 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     dist = start_worker(model_cfg, train_cfg.seed)
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
-    model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing).to(dist.device)
+    model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing,
+                           load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
+    model = apply_lora(model, model_cfg)
     datasets = prompt_datasets(data_cfg, out_cfg, dist.is_main)
     from openpack.distributed.process import barrier
 
@@ -182,6 +185,8 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
         scorers["values"] = critic
     if settings.needs_reference and reference_group is not None:
         scorers["ref"] = reference_group.scorer(dist.rank)
+    elif settings.needs_reference and is_lora(model) and not rl_cfg.ref_pretrain:
+        scorers["ref"] = reference.AdapterReference(run.engine, model, dist.device)  # LoRA: the base, adapters off
     elif settings.needs_reference:
         scorers["ref"] = build_rl_reference(model_cfg, rl_cfg, pretrain, dist)
     backend = resolved_backend(rollout_cfg)
@@ -229,13 +234,15 @@ def critic_engine(rl_cfg, model_cfg, train_cfg, pretrain: str, tokenizer, dist, 
     from dataclasses import replace
 
     from openpack.distributed.engine import create_engine
-    from openpack.models.reward import PackedValueModel, load_reward_model
+    from openpack.models.reward import HEAD, PackedValueModel, load_reward_model
     from openpack.trainers.run import optim_config, zero_config
 
     path, flag = ((rl_cfg.critic_pretrain, "--critic_pretrain") if rl_cfg.critic_pretrain else
                   (rl_cfg.reward_pretrain[0], "--reward_pretrain") if rl_cfg.reward_pretrain else (pretrain, "--pretrain"))
     model = load_reward_model(path, model_cfg.bf16, model_cfg.gradient_checkpointing,
-                              pad_token_id=tokenizer.pad_token_id, flag=flag).to(dist.device)
+                              pad_token_id=tokenizer.pad_token_id, flag=flag,
+                              load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
+    model = apply_lora(model, model_cfg, head=HEAD)
     optim = optim_config(replace(train_cfg, learning_rate=rl_cfg.critic_learning_rate), optimizer_steps)
     return create_engine(PackedValueModel(model), optim, zero_config(model_cfg), dist.world_size)
 

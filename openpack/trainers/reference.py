@@ -8,6 +8,8 @@ log-probs come from:
   policy (colocated), scoring exactly the packs the policy trains on. Memory:
   one more set of weights (bf16: 2 bytes x parameters), partitioned across
   ranks under ZeRO-3, or on the CPU with ``--ref_offload``.
+* ``AdapterReference`` (LoRA): the policy itself with its adapters switched
+  off, which is exactly the base model; no second copy of the weights.
 * ``CachedReference``: log-probs computed once by a ``ModelReference`` over
   the whole dataset (``--ref_logps_cache FILE``), stored with a key of the
   reference model's files and the tokenized pairs, reused by later epochs and
@@ -29,6 +31,7 @@ from openpack.core.batch import CHOSEN, REJECTED
 from openpack.core.logprobs import segment_logprobs
 from openpack.data.loading import DataError
 from openpack.distributed.process import all_reduce_sum
+from openpack.models.lora import adapters_disabled
 
 
 class ModelReference:
@@ -47,6 +50,24 @@ class ModelReference:
     def __call__(self, batch) -> torch.Tensor:
         """Per-token log-probs laid out like ``batch.labels`` flattened (online RL's KL needs every token)."""
         return self.engine(batch.to(self.device))
+
+
+class AdapterReference:
+    """LoRA's reference: the policy's own engine with its adapters disabled (peft's ``disable_adapter``), so the
+    frozen base model, loaded once, scores as the reference. Same calls as ``ModelReference``."""
+
+    def __init__(self, engine, model, device):
+        self.engine, self.model, self.device = engine, model, device
+
+    @torch.no_grad()
+    def segment_sums(self, batch) -> torch.Tensor:
+        batch = batch.to(self.device)
+        return segment_logprobs(batch, self(batch)).sum
+
+    @torch.no_grad()
+    def __call__(self, batch) -> torch.Tensor:
+        with adapters_disabled(self.model):
+            return self.engine(batch.to(self.device))
 
 
 class CachedReference:

@@ -29,6 +29,7 @@ from openpack.data.loading import Rows, load_rows
 from openpack.data.preference import PreferencePair, pair_segments, tokenize_pairs
 from openpack.distributed.process import barrier
 from openpack.models.loading import load_tokenizer
+from openpack.models.lora import apply_lora
 from openpack.models.reward import HEAD, PackedRewardModel, load_reward_model, rename_head, set_normalization
 from openpack.trainers import demo
 from openpack.trainers.batching import MicroBatcher, scoring_batches, warn_if_memory_short
@@ -83,7 +84,7 @@ def run_rm(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, demo_model=None, sav
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
     model = load_reward_model(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing, rm_cfg.value_head_prefix,
-                              tokenizer.pad_token_id).to(dist.device)
+                              tokenizer.pad_token_id, load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
         items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, dist.world_size,
@@ -95,6 +96,7 @@ def run_rm(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, demo_model=None, sav
     segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
+    model = apply_lora(model, model_cfg, head=HEAD)  # LoRA: adapters, and the value head trained in full
     module = PackedRewardModel(model)
     run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config, module=module)
     margins = None

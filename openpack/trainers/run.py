@@ -183,7 +183,8 @@ class TrainingRun:
                                   self.tracker, self.save, self.position)
         if before_save is not None:
             before_save()
-        save_hf_model(self.engine, self.tokenizer, self.save_path / "model", self.dist.is_main)
+        save_hf_model(self.engine, self.tokenizer, self.save_path / "model", self.dist.is_main,
+                      adapter_dir=self.save_path / "adapter")  # LoRA: the merged model, and the adapter alone
         self.tracker.message(f"model saved to {self.save_path / 'model'}")
         return self.position
 

@@ -24,6 +24,7 @@ from openpack.data.demo_tokenizer import build_demo_tokenizer
 from openpack.data.sft import SFTSample, tokenize_sft
 from openpack.distributed.process import barrier
 from openpack.models.loading import load_tokenizer
+from openpack.models.lora import apply_lora
 from openpack.trainers import demo
 from openpack.trainers.batching import MicroBatcher, warn_if_memory_short
 from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
@@ -54,7 +55,7 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None, plan: Ran
     dist = start_worker(model_cfg, train_cfg.seed)
     is_demo = model_cfg.pretrain is None
     tokenizer, model = demo.tokenizer_and_model(model_cfg, train_cfg.seed)
-    model.to(dist.device)
+    model = apply_lora(model.to(dist.device), model_cfg)
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
         items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dist.world_size, dist.is_main)

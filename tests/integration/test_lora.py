@@ -1,0 +1,237 @@
+"""LoRA (``--lora_rank``) end to end on CPU: only the adapters train, in SFT, DPO, RM and RL; what leaves the
+trainer is the merged model; the DPO/RL reference is the base model with the adapters disabled.
+
+Tiny models, 2-4 optimizer steps of 8 samples each, learning rate 1e-2 (LoRA's B starts at zero, so a step
+at 1e-3 barely moves the merged weights).
+"""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from openpack.cli import train_dpo, train_rm, train_sft
+
+from saved_runs import load_weights, read_metrics
+
+LORA = ["--lora_rank", "8", "--lora_alpha", "16"]
+NO_LORA = ["--train_batch_size", "8", "--learning_rate", "1e-2", "--lr_warmup_ratio", "0", "--lr_scheduler",
+           "constant", "--max_len", "48", "--seed", "1", "--max_norm", "100", "--adam_epsilon", "1e-6",
+           "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "160", "--launcher", "local"]
+COMMON = [*NO_LORA, *LORA]
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # all-linear on Llama
+
+
+def lora_cfg(rank=8, **kw):
+    return SimpleNamespace(lora_rank=rank, lora_alpha=16, lora_dropout=0.0, target_modules=["all-linear"],
+                           load_in_4bit=False, gradient_checkpointing=False, **kw)
+
+
+def sft(save_path, pretrain, dataset, *flags):
+    argv = ["--pretrain", pretrain, "--dataset", dataset, "--save_path", str(save_path), *COMMON, *flags]
+    assert train_sft.main(argv) == 0
+    return save_path
+
+
+def assert_only_adapters_moved(run, base_folder):
+    """The merged export differs from the base only in the adapted linear layers (and the reward head)."""
+    merged, base = load_weights(run), load_file(f"{base_folder}/model.safetensors")
+    assert set(merged) - set(base) <= {"score.weight"}  # a reward model: its head instead of the LM head
+    moved = {name for name in set(base) & set(merged) if not torch.equal(merged[name], base[name])}
+    assert moved and all(any(t in name for t in TARGETS) for name in moved), sorted(moved)
+    adapter = load_file(f"{run}/adapter/adapter_model.safetensors")
+    assert all("lora_" in name or "score" in name for name in adapter), sorted(adapter)
+    assert all(w.abs().sum() > 0 for name, w in adapter.items() if "lora_B" in name)  # B starts at zero
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_pretrain, sft_jsonl):
+    return sft(tmp_path_factory.mktemp("sft_lora"), tiny_pretrain, sft_jsonl, "--max_steps", "4", "--save_steps",
+               "2", "--max_ckpt_num", "5")
+
+
+def test_sft_trains_only_the_adapters(sft_run, tiny_pretrain):
+    losses = [m["loss"] for m in read_metrics(sft_run)]
+    assert losses[-1] < losses[0], losses
+    assert_only_adapters_moved(sft_run, tiny_pretrain)
+    config = json.loads((sft_run / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16  # all-linear: every projection, not the LM head
+    assert {name.split(".")[-1] for name in config["target_modules"]} == set(TARGETS), config["target_modules"]
+
+
+def test_the_merged_export_equals_the_base_with_its_adapters(sft_run, tiny_pretrain):
+    """Plain transformers loads <save_path>/model; its logits are the base + adapter's (peft) to 1e-5 in fp32."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(sft_run / "model").eval()
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_pretrain),
+                                             sft_run / "adapter").eval()
+    ids = torch.randint(3, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = with_adapter(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+        with with_adapter.disable_adapter():
+            assert (with_adapter(input_ids=ids).logits - expected).abs().max() > 1e-3  # the adapters matter
+
+
+def test_resumed_equals_uninterrupted(sft_run, tmp_path, tiny_pretrain, sft_jsonl):
+    """Stopped after step 2 (its checkpoint holds the adapters and their optimizer state), resumed: steps 3-4 and
+    the merged export match the uninterrupted run."""
+    interrupted = tmp_path / "interrupted"
+    (interrupted / "checkpoints").mkdir(parents=True)
+    shutil.copytree(sft_run / "checkpoints" / "global_step2", interrupted / "checkpoints" / "global_step2")
+    (interrupted / "checkpoints" / "latest").write_text("global_step2")
+    sft(interrupted, tiny_pretrain, sft_jsonl, "--max_steps", "4", "--save_steps", "2", "--max_ckpt_num", "5",
+        "--load_checkpoint")
+    resumed, uninterrupted = read_metrics(interrupted), read_metrics(sft_run)
+    assert [m["step"] for m in resumed] == [3, 4]
+    for x, y in zip(resumed, uninterrupted[2:]):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5, (x, y)
+    full = load_weights(sft_run)
+    for name, w in load_weights(interrupted).items():
+        torch.testing.assert_close(w, full[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_dpo_reference_is_the_base_with_adapters_disabled(tmp_path, tiny_pretrain, dpo_jsonl):
+    """No second model: at step 1 the adapters are zero, so policy == reference (margin 0, loss ln 2); the cached
+    reference (--ref_logps_cache) is scored with the adapters off; after training only the adapters moved."""
+    cache = tmp_path / "ref.pt"
+    run = tmp_path / "dpo"
+    argv = ["--pretrain", tiny_pretrain, "--dataset", dpo_jsonl, "--save_path", str(run), *COMMON, "--max_steps",
+            "2", "--loss_type", "sigmoid", "--beta", "0.5", "--ref_logps_cache", str(cache)]
+    assert train_dpo.main(argv) == 0
+    first, second = read_metrics(run)
+    assert abs(first["rewards/margins"]) < 1e-5 and abs(first["loss"] - math.log(2)) < 1e-5, first
+    assert abs(second["rewards/margins"]) > 1e-4, second
+    assert cache.exists()
+    assert_only_adapters_moved(run, tiny_pretrain)
+
+
+def test_adapter_reference_scores_as_a_separately_loaded_base(tiny_pretrain):
+    """AdapterReference (the LoRA policy, adapters disabled) == ModelReference of the base loaded on its own;
+    with the adapters on, the policy scores differently (the guard)."""
+    from openpack.core.batch import CHOSEN, REJECTED, Segment, collate_packed
+    from openpack.models.loading import load_causal_lm
+    from openpack.models.lora import apply_lora
+    from openpack.models.packed import PackedCausalLM
+    from openpack.trainers.reference import AdapterReference, ModelReference
+
+    policy = apply_lora(load_causal_lm(tiny_pretrain), lora_cfg())
+    torch.manual_seed(0)
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    rng = torch.Generator().manual_seed(1)
+    segments = [Segment(torch.randint(3, 40, (n,), generator=rng).tolist(), [False] * 3 + [True] * (n - 3), i // 2,
+                        CHOSEN if i % 2 == 0 else REJECTED) for i, n in enumerate([9, 12, 7, 15])]
+    batch = collate_packed(segments)
+    ours = AdapterReference(PackedCausalLM(policy), policy, "cpu").segment_sums(batch)
+    base = ModelReference(PackedCausalLM(load_causal_lm(tiny_pretrain)), "cpu").segment_sums(batch)
+    torch.testing.assert_close(ours, base, atol=1e-5, rtol=0)
+    assert policy.training  # switched back after scoring
+    with torch.no_grad():
+        adapted = ModelReference(PackedCausalLM(policy), "cpu").segment_sums(batch)
+    assert (adapted - base).abs().max() > 1e-3
+
+
+def test_the_optimizer_gets_only_adapters_and_the_reward_head(tiny_pretrain):
+    from openpack.distributed.engine import _param_groups
+    from openpack.models.loading import load_causal_lm
+    from openpack.models.lora import apply_lora
+    from openpack.models.packed import PackedCausalLM
+    from openpack.models.reward import PackedRewardModel, load_reward_model
+
+    for module in (PackedCausalLM(apply_lora(load_causal_lm(tiny_pretrain), lora_cfg())),
+                   PackedRewardModel(apply_lora(load_reward_model(tiny_pretrain), lora_cfg(), head="score"))):
+        trained = {id(p) for group in _param_groups(module, 0.1) for p in group["params"]}
+        names = [name for name, p in module.named_parameters() if id(p) in trained]
+        assert names and all("lora_" in n or "score.modules_to_save" in n for n in names), names
+        assert len(names) < len(list(module.parameters()))
+
+
+def test_rm_trains_adapters_and_its_head(tmp_path, tiny_pretrain, dpo_jsonl):
+    from transformers import AutoModelForSequenceClassification
+
+    run = tmp_path / "rm"
+    argv = ["--pretrain", tiny_pretrain, "--dataset", dpo_jsonl, "--save_path", str(run), *COMMON, "--max_steps", "3"]
+    assert train_rm.main(argv) == 0
+    losses = [m["loss"] for m in read_metrics(run)]
+    assert losses[-1] < losses[0], losses
+    assert_only_adapters_moved(run, tiny_pretrain)
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert "score" in config["modules_to_save"]
+    exported = AutoModelForSequenceClassification.from_pretrained(run / "model")  # plain transformers, one label
+    assert exported.config.num_labels == 1 and "score.weight" in load_weights(run)
+
+
+def test_load_in_4bit_is_refused_where_it_cannot_run(tmp_path, tiny_pretrain, sft_jsonl, capsys):
+    """No bitsandbytes or no CUDA GPU: one line naming the flag and the fix, before any model loads."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine may run QLoRA")
+    argv = ["--pretrain", tiny_pretrain, "--dataset", sft_jsonl, "--save_path", str(tmp_path), *COMMON,
+            "--load_in_4bit"]
+    assert train_sft.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--load_in_4bit" in err and ("pip install bitsandbytes" in err or "CUDA GPU" in err), err
+    assert "drop --load_in_4bit" in err and not (tmp_path / "run.json").exists()
+    argv = ["--pretrain", tiny_pretrain, "--dataset", sft_jsonl, "--save_path", str(tmp_path), *NO_LORA,
+            "--load_in_4bit"]
+    assert train_sft.main(argv) == 2  # QLoRA without adapters
+    assert "give --lora_rank" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def rl_model(tmp_path_factory):
+    """A tiny Llama vLLM can run (head_dim 32), the demo tokenizer, prompts and a rule reward."""
+    import random
+
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.tiny import tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("rl_lora")
+    tokenizer = build_demo_tokenizer()
+    tiny_causal_lm("llama", seed=3, vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256).save_pretrained(
+        root / "model")
+    tokenizer.save_pretrained(root / "model")
+    rng = random.Random(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for _ in range(16):
+            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
+            f.write(json.dumps({"prompt": f"sort: {word}\n"}) + "\n")
+    (root / "reward.py").write_text("def reward(prompts, completions, rows):\n"
+                                    "    return [c.count('a') + 0.5 * c.count('e') - 0.1 * len(c) for c in completions]\n")
+    return root
+
+
+def test_ppo_with_lora_syncs_merged_weights_to_vllm(tmp_path, rl_model):
+    """PPO (LoRA policy and critic, KL against the base with adapters off) with vLLM rollouts under ZeRO-3: the
+    merged weights pushed after step 1 make vLLM's log-probs equal the trainer's to 1e-4 (step 2), as before any
+    sync (step 1). In a subprocess, as test_train_ppo's vllm_run (vLLM tears down the default process group)."""
+    pytest.importorskip("vllm")
+    argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"), "--reward_fn",
+            f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path), "--advantage_estimator", "gae",
+            "--critic_learning_rate", "1e-2", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
+            "--train_batch_size", "8", "--max_epochs", "1", "--generate_max_len", "8", "--prompt_max_len", "32",
+            "--learning_rate", "1e-2", "--seed", "1", "--max_norm", "100", "--max_steps", "2", "--init_kl_coef",
+            "0.05", "--rollout_backend", "vllm", "--zero_stage", "3", "--packing_samples", "--use_dynamic_batch",
+            "--max_tokens_per_gpu", "96", "--launcher", "local", *LORA]
+    result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_ppo", *argv], capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["vllm_logp_diff"] < 1e-4, m
+        assert m["time/weight_sync"] > 0
+    assert metrics[0]["kl"] == pytest.approx(0, abs=1e-6)  # adapters start at zero: the policy is the base
+    assert metrics[1]["kl"] > 0  # the reference stayed the base while the merged policy moved
+    assert_only_adapters_moved(tmp_path, rl_model / "model")
+    assert (tmp_path / "critic" / "config.json").exists()
