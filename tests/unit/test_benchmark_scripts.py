@@ -129,3 +129,16 @@ def test_grpo_vs_trl_smoke(tmp_path):
             assert step["generation_s"] + step["training_s"] <= step["step_time_s"] * 1.01 + 1e-3, (run["arm"], step)
     assert summary["trl_computed_per_real"] >= 1
     assert "openpack / TRL" in text and "openpack small rows / TRL" in text and "GRPOTrainer" in text
+
+
+@pytest.mark.slow
+def test_prefix_sharing_smoke(tmp_path):
+    """Both arms run on a tiny model; prefix sharing computes fewer tokens and gives the same losses."""
+    doc = tmp_path / "benchmarks.md"
+    cmd = [sys.executable, str(BENCHMARKS / "prefix_sharing.py"), "--smoke", "--out", str(tmp_path / "work"),
+           "--markdown", str(doc)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "work" / "results.json").read_text())["summary"]
+    assert summary["token_reduction"] > 0.1 and summary["max_loss_diff"] < 1e-4
+    assert "<!-- prefix_sharing:begin -->" in doc.read_text()
