@@ -112,16 +112,18 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
     return engine
 
 
-def optimizer_step(engine) -> float:
-    """``engine.step()`` at a step boundary; returns the global gradient norm before clipping.
+def optimizer_step(engine) -> torch.Tensor | float:
+    """``engine.step()`` at a step boundary; returns the global gradient norm before clipping, unread.
 
-    DeepSpeed reports the norm from its ZeRO and bf16 optimizers; without one
-    (ZeRO-0 in fp32) it reports None, so the norm is taken from the
-    already-averaged gradients before they are applied.
+    DeepSpeed reports the norm from its ZeRO and bf16 optimizers (a device
+    tensor); without one (ZeRO-0 in fp32) it reports None, so the norm is
+    taken from the already-averaged gradients before they are applied. It is
+    returned as it is: reading it (``float``) waits for the device, which the
+    step leaves to the logged steps (``trainers/metrics.py``).
     """
     own_norm = None
     if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        own_norm = torch.nn.utils.get_total_norm(grads).item()
+        own_norm = torch.nn.utils.get_total_norm(grads)
     engine.step()
-    return own_norm if own_norm is not None else float(engine.get_global_grad_norm())
+    return own_norm if own_norm is not None else engine.get_global_grad_norm()

@@ -24,6 +24,7 @@ import torch
 
 from openpack.core.batch import Segment, collate_packed, collate_padded
 from openpack.core.schedule import Batching, RankStep, plan_scoring
+from openpack.trainers.metrics import DeviceSums, StepMetrics
 
 logger = logging.getLogger("openpack")
 
@@ -94,16 +95,12 @@ def warn_if_memory_short(model, model_cfg, train_cfg, max_len: int, dist, segmen
     return warning
 
 
-def step_metrics(step: RankStep, engine, grad_norm: float, elapsed: float) -> dict:
-    """What every trainer reports for a step besides its loss: lr, grad norm, tokens, speed, packing."""
-    metrics = {
-        "lr": engine.get_lr()[0],
-        "grad_norm": grad_norm,
-        "tokens": step.real_tokens,
-        "micro_batches": len(step.micro_batches),
-        "tokens_per_s": step.real_tokens / elapsed,
-        "step_time_s": elapsed,
-    }
+def step_metrics(step: RankStep, engine, grad_norm, sums: DeviceSums, finish, start: float,
+                 rates: dict[str, float] | None = None) -> StepMetrics:
+    """A step's metrics, read when logged: ``finish(totals)`` of the ``sums`` over every rank, and what every
+    trainer reports besides its loss: lr, grad norm, tokens, speed (``rates`` adds e.g. pairs/s), packing."""
+    values = {"lr": engine.get_lr()[0], "grad_norm": grad_norm, "tokens": step.real_tokens,
+              "micro_batches": len(step.micro_batches)}
     if step.packing_efficiency is not None:
-        metrics["packing_efficiency"] = step.packing_efficiency
-    return metrics
+        values["packing_efficiency"] = step.packing_efficiency
+    return StepMetrics(sums, finish, values, {**(rates or {}), "tokens_per_s": step.real_tokens}, start)

@@ -21,8 +21,9 @@ from openpack.core.logprobs import pair_values, segment_logprobs
 from openpack.core.losses import LossParams, PairLogps, implicit_rewards, pair_losses
 from openpack.core.schedule import RankStep
 from openpack.distributed.engine import optimizer_step
-from openpack.distributed.process import DistInfo, all_reduce_sum
+from openpack.distributed.process import DistInfo
 from openpack.trainers.batching import MicroBatcher, step_metrics
+from openpack.trainers.metrics import DeviceSums, StepMetrics
 
 STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
          "logps/chosen", "logps/rejected")
@@ -50,28 +51,22 @@ def pair_logps(batch, logprobs: torch.Tensor, reference) -> PairLogps:
 
 
 @torch.no_grad()
-def pair_stats(logps: PairLogps, losses: torch.Tensor, beta: float) -> list[float]:
-    """Sums over the micro-batch's pairs of each STATS entry (means are taken over the whole step)."""
+def pair_stats(logps: PairLogps, losses: torch.Tensor, beta: float) -> list[torch.Tensor]:
+    """Sums over the micro-batch's pairs of each STATS entry, on the device (means are taken over the whole step)."""
     reward_chosen, reward_rejected = implicit_rewards(logps, beta)
-    return [
-        losses.sum().item(),
-        reward_chosen.sum().item(),
-        reward_rejected.sum().item(),
-        (reward_chosen - reward_rejected).sum().item(),
-        (reward_chosen > reward_rejected).float().sum().item(),
-        logps.chosen.sum().item(),
-        logps.rejected.sum().item(),
-    ]
+    return [losses.sum(), reward_chosen.sum(), reward_rejected.sum(), (reward_chosen - reward_rejected).sum(),
+            (reward_chosen > reward_rejected).float().sum(), logps.chosen.sum(), logps.rejected.sum()]
 
 
-def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step: RankStep, dist: DistInfo) -> dict:
+def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step: RankStep,
+             dist: DistInfo) -> StepMetrics:
     start = time.perf_counter()
     pairs = step.samples
     # The sft term is a token mean over the step's chosen tokens (as TRL's is over its batch), counted by the plan.
     chosen_tokens = step.label_tokens[-2]  # a pair's segments: (chosen, rejected), or (prompt, chosen, rejected)
     params = dataclasses.replace(objective.params, sft_tokens_per_pair=chosen_tokens / pairs)
     micro_batches = batcher.collate(step.micro_batches)
-    sums, grad_norm = [0.0] * len(STATS), None
+    sums, grad_norm = DeviceSums(STATS, dist.device), None
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
@@ -80,9 +75,7 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
         losses = pair_losses(logps, params, objective.loss_types, objective.loss_weights)
         engine.backward(losses.sum() * dist.world_size / pairs)
         grad_norm = optimizer_step(engine) if last else engine.step()
-        sums = [a + b for a, b in zip(sums, pair_stats(logps, losses, objective.params.beta))]
-    totals = all_reduce_sum(sums, dist.device)
-    elapsed = time.perf_counter() - start
-    metrics = {name: total / pairs for name, total in zip(STATS, totals)}
-    metrics.update(pairs=pairs, pairs_per_s=pairs / elapsed)
-    return {**metrics, **step_metrics(step, engine, grad_norm, elapsed)}
+        sums.add(*pair_stats(logps, losses, objective.params.beta))
+    return step_metrics(step, engine, grad_norm, sums,
+                        lambda totals: {**{name: totals[name] / pairs for name in STATS}, "pairs": pairs},
+                        start, {"pairs_per_s": pairs})

@@ -36,8 +36,9 @@ from openpack.core.batch import Segment
 from openpack.core.rl_losses import PolicyLossParams, policy_terms, token_weights, value_terms
 from openpack.core.schedule import Batching, RankStep, plan_run, plan_scoring
 from openpack.distributed.engine import optimizer_step
-from openpack.distributed.process import DistInfo, all_gather_objects, all_reduce_sum, broadcast_object
+from openpack.distributed.process import DistInfo, all_gather_objects, broadcast_object
 from openpack.trainers.batching import MicroBatcher
+from openpack.trainers.metrics import DeviceSums, StepMetrics, read_together
 
 
 @dataclass
@@ -126,15 +127,18 @@ def per_sample(batch, values: torch.Tensor, lengths: list[int]) -> dict[int, tor
     return dict(zip(ids, values.detach().cpu().split([lengths[k] for k in ids])))
 
 
-def in_batch_order(batch, values: dict[int, torch.Tensor] | list[torch.Tensor], device) -> torch.Tensor:
-    """Per-sample tensors laid out like ``response_values`` of the batch: [N]."""
-    return torch.cat([values[k] for k in batch.sample_index.tolist()]).to(device)
+def in_batch_order(ids: list[int], values: dict[int, torch.Tensor] | list[torch.Tensor], device) -> torch.Tensor:
+    """Per-sample tensors of the samples ``ids`` (a batch's, in order) laid out like ``response_values``: [N].
+
+    The copy to the device does not wait for it (``non_blocking``; from pageable memory CUDA stages the source
+    before returning, so it is safe to free)."""
+    return torch.cat([values[k] for k in ids]).to(device, non_blocking=True)
 
 
-def response_segment_ids(batch, lengths: list[int], device) -> torch.Tensor:
-    """Which segment of the batch each completion token belongs to: [N] (0..S-1)."""
-    counts = torch.tensor([lengths[k] for k in batch.sample_index.tolist()])
-    return torch.repeat_interleave(torch.arange(len(counts)), counts).to(device)
+def response_segment_ids(ids: list[int], lengths: list[int], device) -> torch.Tensor:
+    """Which segment of the batch of samples ``ids`` each completion token belongs to: [N] (0..S-1)."""
+    counts = torch.tensor([lengths[k] for k in ids])
+    return torch.repeat_interleave(torch.arange(len(counts)), counts).to(device, non_blocking=True)
 
 
 @torch.no_grad()
@@ -196,71 +200,78 @@ class StepParts:
     returns: list[torch.Tensor] | None = None  # the critic's targets
 
 
-def accumulated_step(engine, micro_batches: list, dist: DistInfo, loss_and_stats, width: int) -> tuple[float, list]:
-    """One optimizer step of ``engine`` over ``micro_batches``: ``loss_and_stats(batch)`` gives the micro-batch's
-    share of the step's loss and ``width - 1`` numbers to sum; each share is backpropagated (DeepSpeed's mean over
-    ranks undone by the world size, as in SFT) and the optimizer steps at the last. Returns (grad norm, the sums of
-    [loss, *numbers] over every rank)."""
-    sums, grad_norm = torch.zeros(width, dtype=torch.float64), 0.0
-    for index, batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
+def accumulated_step(engine, batcher: MicroBatcher, micro_batches: list[list[int]], dist: DistInfo, loss_and_stats,
+                     names: tuple[str, ...], finish, norm_name: str = "grad_norm") -> StepMetrics:
+    """One optimizer step of ``engine`` over ``micro_batches`` (sample ids; a rollout sample is one segment):
+    ``loss_and_stats(batch, ids)`` gives the micro-batch's share of the step's loss and one number per ``names``
+    after ``loss``, summed on the device; each share is backpropagated (DeepSpeed's mean over ranks undone by the
+    world size, as in SFT) and the optimizer steps at the last. Returns the step's metrics, unread: ``finish`` of
+    the sums over every rank, and the grad norm as ``norm_name`` (``trainers/metrics.py``); nothing here waits for
+    the device."""
+    sums, grad_norm = DeviceSums(("loss", *names), dist.device), 0.0
+    batches = batcher.collate(micro_batches)
+    for index, (batch, ids) in enumerate(zip(batches, micro_batches)):
+        last = index == len(batches) - 1
         engine.set_gradient_accumulation_boundary(last)
-        loss, numbers = loss_and_stats(batch.to(dist.device))
+        loss, numbers = loss_and_stats(batch.to(dist.device), ids)
         engine.backward(loss * dist.world_size)
         if last:
             grad_norm = optimizer_step(engine)
+            grad_norm = grad_norm.clone() if isinstance(grad_norm, torch.Tensor) else grad_norm  # next step's own
         else:
             engine.step()
-        sums += torch.tensor([loss.item(), *numbers], dtype=torch.float64)
-    return grad_norm, all_reduce_sum(sums.tolist(), dist.device)
+        sums.add(loss, *numbers)
+    return StepMetrics(sums, finish, {norm_name: grad_norm})
 
 
-def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> dict:
+def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:
     """One optimizer step over this rank's planned micro-batches; the loss is ``sum_t w_t loss_t`` over the step.
 
     ``w_t`` comes from the step's totals over every rank (``step.label_tokens``: its completion tokens;
     ``step.samples``: its completions), so each micro-batch's part needs no communication.
     """
-    def loss_and_stats(batch):
+    def loss_and_stats(batch, ids):
         entropy = torch.empty(batch.labels.numel(), device=dist.device)
         logp = response_values(batch, parts.engine(batch, entropy=entropy))
         entropy = response_values(batch, entropy)
-        old = in_batch_order(batch, parts.old, dist.device) if parts.old is not None else logp.detach()
-        ref = in_batch_order(batch, parts.ref, dist.device) if settings.use_kl_loss else None
-        behaviour = in_batch_order(batch, parts.behaviour, dist.device)
-        terms = policy_terms(logp, old, in_batch_order(batch, parts.advantages, dist.device), settings.policy,
+        old = in_batch_order(ids, parts.old, dist.device) if parts.old is not None else logp.detach()
+        ref = in_batch_order(ids, parts.ref, dist.device) if settings.use_kl_loss else None
+        behaviour = in_batch_order(ids, parts.behaviour, dist.device)
+        terms = policy_terms(logp, old, in_batch_order(ids, parts.advantages, dist.device), settings.policy,
                              ref_logp=ref, behaviour_logp=behaviour if settings.policy.tis_cap else None)
-        segment_ids = response_segment_ids(batch, parts.lengths, dist.device)
+        segment_ids = response_segment_ids(ids, parts.lengths, dist.device)
         weights = token_weights(segment_ids, settings.loss_agg_mode, step.label_tokens[0], step.samples,
                                 settings.generate_max_len)
-        return (terms.loss * weights).sum(), [terms.clipped.sum().item(), terms.tis_clipped.sum().item(),
-                                              entropy.sum().item(), (old - behaviour).abs().sum().item(),
-                                              terms.kl.sum().item(), logp.numel()]
+        return (terms.loss * weights).sum(), [terms.clipped.sum(), terms.tis_clipped.sum(), entropy.detach().sum(),
+                                              (old - behaviour).abs().sum(), terms.kl.sum(), logp.numel()]
 
-    grad_norm, sums = accumulated_step(parts.engine, parts.batcher.collate(step.micro_batches), dist,
-                                       loss_and_stats, 7)
-    loss, clipped, tis_clipped, entropy, mismatch, kl_sum, tokens = sums
-    tokens = max(tokens, 1)
-    return {"policy_loss": loss, "clip_ratio": clipped / tokens, "tis_clip_ratio": tis_clipped / tokens,
-            "entropy": entropy / tokens, "vllm_logp_diff": mismatch / tokens,
-            **({"kl_loss": kl_sum / tokens} if settings.use_kl_loss else {}), "grad_norm": grad_norm}
+    def finish(sums):
+        tokens = max(sums["tokens"], 1)
+        return {"policy_loss": sums["loss"], "clip_ratio": sums["clipped"] / tokens,
+                "tis_clip_ratio": sums["tis_clipped"] / tokens, "entropy": sums["entropy"] / tokens,
+                "vllm_logp_diff": sums["mismatch"] / tokens,
+                **({"kl_loss": sums["kl"] / tokens} if settings.use_kl_loss else {})}
+
+    return accumulated_step(parts.engine, parts.batcher, step.micro_batches, dist, loss_and_stats,
+                            ("clipped", "tis_clipped", "entropy", "mismatch", "kl", "tokens"), finish)
 
 
-def critic_update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> dict:
+def critic_update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:
     """One optimizer step of the critic over the same planned micro-batches: the clipped value loss, weighed per
     token over the step's completion tokens (as OpenRLHF's critic averages over tokens)."""
-    def loss_and_stats(batch):
+    def loss_and_stats(batch, ids):
         values = response_values(batch, parts.critic(batch))
-        terms = value_terms(values, in_batch_order(batch, parts.values, dist.device),
-                            in_batch_order(batch, parts.returns, dist.device), settings.value_clip)
-        return (terms.loss / step.label_tokens[0]).sum(), [terms.clipped.sum().item(), values.detach().sum().item(),
-                                                           values.numel()]
+        terms = value_terms(values, in_batch_order(ids, parts.values, dist.device),
+                            in_batch_order(ids, parts.returns, dist.device), settings.value_clip)
+        return (terms.loss / step.label_tokens[0]).sum(), [terms.clipped.sum(), values.detach().sum(), values.numel()]
 
-    grad_norm, (loss, clipped, value_sum, tokens) = accumulated_step(
-        parts.critic, parts.batcher.collate(step.micro_batches), dist, loss_and_stats, 4)
-    tokens = max(tokens, 1)
-    return {"critic_loss": loss, "value_clip_ratio": clipped / tokens, "values": value_sum / tokens,
-            "critic_grad_norm": grad_norm}
+    def finish(sums):
+        tokens = max(sums["tokens"], 1)
+        return {"critic_loss": sums["loss"], "value_clip_ratio": sums["clipped"] / tokens,
+                "values": sums["values"] / tokens}
+
+    return accumulated_step(parts.critic, parts.batcher, step.micro_batches, dist, loss_and_stats,
+                            ("clipped", "values", "tokens"), finish, "critic_grad_norm")
 
 
 def plan_updates(rollouts: Rollouts, train_cfg, settings: RLSettings, world_size: int, seed: int) -> list[list[RankStep]]:
@@ -288,16 +299,17 @@ def train_on(rollouts: Rollouts, engine, scorers: dict, settings: RLSettings, tr
     experience_s = time.perf_counter() - start
     start = time.perf_counter()
     steps = plan_updates(rollouts, train_cfg, settings, dist.world_size, seed)[dist.rank]
-    results = []
+    pending = []
     for step in steps:
-        result = {}
         if critic is not None:
             critic.train()
-            result.update(critic_update(parts, step, settings, dist))
+            pending.append(critic_update(parts, step, settings, dist))
         if train_actor:
             engine.train()
-            result.update(update(parts, step, settings, dist))
-        results.append(result)
+            pending.append(update(parts, step, settings, dist))
+    read = read_together(pending)  # the update loop's one host sync (and all-reduce) per rollout batch
+    per_step = len(read) // len(steps)  # critic and/or policy
+    results = [{k: v for part in read[i:i + per_step] for k, v in part.items()} for i in range(0, len(read), per_step)]
     training_s = time.perf_counter() - start
     flat = torch.cat(per_token)
     metrics = {key: sum(r[key] for r in results) / len(results) for key in results[0]}

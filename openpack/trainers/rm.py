@@ -19,8 +19,9 @@ from openpack.core.logprobs import pair_values
 from openpack.core.reward_losses import reward_pair_losses
 from openpack.core.schedule import RankStep
 from openpack.distributed.engine import optimizer_step
-from openpack.distributed.process import DistInfo, all_reduce_sum
+from openpack.distributed.process import DistInfo
 from openpack.trainers.batching import MicroBatcher, step_metrics
+from openpack.trainers.metrics import DeviceSums, StepMetrics
 
 # TRL's RewardTrainer names where it has them; means over the step's pairs.
 STATS = ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
@@ -36,29 +37,29 @@ class RewardObjective:
 
 
 @torch.no_grad()
-def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor) -> list[float]:
-    """Sums over the micro-batch's pairs of each STATS entry (means are taken over the whole step)."""
-    return [losses.sum().item(), (chosen > rejected).float().sum().item(), (chosen - rejected).sum().item(),
-            chosen.sum().item(), rejected.sum().item()]
+def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor) -> list[torch.Tensor]:
+    """Sums over the micro-batch's pairs of each STATS entry, on the device (means are taken over the whole step)."""
+    return [losses.sum(), (chosen > rejected).float().sum(), (chosen - rejected).sum(), chosen.sum(), rejected.sum()]
 
 
-def rm_step(engine, batcher: MicroBatcher, objective: RewardObjective, step: RankStep, dist: DistInfo) -> dict:
+def rm_step(engine, batcher: MicroBatcher, objective: RewardObjective, step: RankStep,
+            dist: DistInfo) -> StepMetrics:
     start = time.perf_counter()
     pairs = step.samples
-    sums, grad_norm = [0.0] * len(STATS), None
+    sums, grad_norm = DeviceSums(STATS, dist.device), None
+    # on the device once per step: a margin is then looked up by device ids, with no copy per micro-batch
+    margins = None if objective.margins is None else objective.margins.to(dist.device)
     micro_batches = batcher.collate(step.micro_batches)
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
         batch = batch.to(dist.device)
         ids, chosen, rejected = pair_values(batch, engine(batch))  # one reward per segment -> per pair
-        margin = None if objective.margins is None else objective.margins[ids.cpu()].to(chosen.device)
+        margin = None if margins is None else margins[ids].to(chosen.device)
         losses = reward_pair_losses(chosen, rejected, objective.loss, margin, objective.center_rewards_coefficient)
         engine.backward(losses.sum() * dist.world_size / pairs)
         grad_norm = optimizer_step(engine) if last else engine.step()
-        sums = [a + b for a, b in zip(sums, pair_stats(chosen, rejected, losses))]
-    totals = all_reduce_sum(sums, dist.device)
-    elapsed = time.perf_counter() - start
-    metrics = {name: total / pairs for name, total in zip(STATS, totals)}
-    metrics.update(pairs=pairs, pairs_per_s=pairs / elapsed)
-    return {**metrics, **step_metrics(step, engine, grad_norm, elapsed)}
+        sums.add(*pair_stats(chosen, rejected, losses))
+    return step_metrics(step, engine, grad_norm, sums,
+                        lambda totals: {**{name: totals[name] / pairs for name in STATS}, "pairs": pairs},
+                        start, {"pairs_per_s": pairs})

@@ -14,17 +14,19 @@ from __future__ import annotations
 import time
 
 from openpack.distributed.engine import optimizer_step
-from openpack.distributed.process import DistInfo, all_reduce_sum
+from openpack.distributed.process import DistInfo
 from openpack.core.schedule import RankStep
 from openpack.trainers.batching import MicroBatcher, step_metrics
+from openpack.trainers.metrics import DeviceSums, StepMetrics
 
 
-def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo) -> dict:
-    """Forward/backward over this rank's micro-batches of one step, then one optimizer step."""
+def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo) -> StepMetrics:
+    """Forward/backward over this rank's micro-batches of one step, then one optimizer step; the loss stays on the
+    device until the step is logged (``trainers/metrics.py``)."""
     start = time.perf_counter()
     (denominator,) = step.label_tokens  # the step's loss tokens over every rank, from the plan
     micro_batches = batcher.collate(step.micro_batches)
-    nll_sum, grad_norm = 0.0, None
+    sums, grad_norm = DeviceSums(("nll",), dist.device), None
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
@@ -36,12 +38,6 @@ def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo) ->
             grad_norm = optimizer_step(engine)
         else:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
-        nll_sum += nll.item()
-    (global_nll,) = all_reduce_sum([nll_sum], dist.device)
-    elapsed = time.perf_counter() - start
-    return {
-        "loss": global_nll / denominator,
-        "loss_tokens": denominator,
-        "samples": step.samples,
-        **step_metrics(step, engine, grad_norm, elapsed),
-    }
+        sums.add(nll)
+    return step_metrics(step, engine, grad_norm, sums, lambda total: {
+        "loss": total["nll"] / denominator, "loss_tokens": denominator, "samples": step.samples}, start)

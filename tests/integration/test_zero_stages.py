@@ -30,7 +30,7 @@ def two_steps(stage):
             engine.set_gradient_accumulation_boundary(i == len(rows) - 1)
             loss = -engine(batch.to(dist.device)).sum() / 26
             engine.backward(loss)
-            norm = optimizer_step(engine) if i == len(rows) - 1 else engine.step()
+            norm = float(optimizer_step(engine)) if i == len(rows) - 1 else engine.step()
             total += loss.item()
         results.append((total, norm))
     head = engine.module.model.lm_head.weight

@@ -1,0 +1,108 @@
+"""Step metrics that stay on the device until a step is logged: no host sync per micro-batch (issue 16).
+
+Reading a CUDA tensor on the host (``.item()``, ``.tolist()``, ``float(t)``)
+waits for every kernel queued before it, so the host cannot queue the next
+micro-batch while the GPU works; DPO read 7 numbers per micro-batch that way.
+A step now adds its statistics into one fp64 tensor of sums on the device
+(``DeviceSums.add``, no sync) and returns ``StepMetrics``, a mapping that
+reads itself when first looked into: ``run_steps`` does so only for the
+steps it logs (every ``--logging_steps``, and the last), on every rank (the
+all-reduce is collective): one all-reduce on the device and one copy to the
+host. Steps that are not logged are never read.
+
+fp64 sums of fp32 values round exactly as the Python floats they replace
+did, so the logged numbers are unchanged. Step time and the rates are taken
+after the copy: without a sync inside the step, the host's clock at the
+step's end would only say how fast it queued the kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+class DeviceSums:
+    """Named numbers summed over a step's micro-batches on ``device``: ``total`` [len(names)] fp64."""
+
+    def __init__(self, names: tuple[str, ...], device: torch.device):
+        self.names = tuple(names)
+        self.total = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+
+    def add(self, *values: torch.Tensor | float) -> None:
+        """One micro-batch's numbers in ``names`` order (0-dim tensors or Python numbers); no host sync."""
+        device = self.total.device
+        self.total += torch.stack([
+            v.detach().reshape(()).to(device, torch.float64) if isinstance(v, torch.Tensor)
+            else torch.full((), float(v), dtype=torch.float64, device=device)  # made on the device: no copy
+            for v in values])
+
+
+def summed_over_ranks(total: torch.Tensor) -> torch.Tensor:
+    """``total`` added over the process group's ranks, on the device (a copy; no host sync with NCCL)."""
+    total = total.clone()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(total)
+    return total
+
+
+@dataclass
+class StepMetrics(Mapping):
+    """One step's metrics, read to the host when first looked into (on every rank together: it all-reduces).
+
+    ``finish(totals)`` turns the sums over every rank (by name) into logged metrics; ``values`` are known
+    already (host numbers) or the same on every rank (device scalars such as the grad norm, read with the sums);
+    ``rates`` (name -> count, e.g. ``tokens_per_s``: the step's real tokens) are divided by the step's time,
+    logged with them as ``step_time_s``.
+    """
+
+    sums: DeviceSums
+    finish: Callable[[dict[str, float]], dict]
+    values: dict = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)
+    start: float = field(default_factory=time.perf_counter)
+    _read: dict | None = field(default=None, repr=False)
+
+    def read(self) -> dict:
+        return read_together([self])[0]
+
+    def update(self, more: dict) -> None:
+        """Add host values (e.g. a held-out evaluation's, ``rm_worker``), logged with the rest."""
+        self.values.update(more)
+        if self._read is not None:
+            self._read.update(more)
+
+    def __getitem__(self, key: str):
+        return self.read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.read())
+
+    def __len__(self) -> int:
+        return len(self.read())
+
+
+def read_together(metrics: list[StepMetrics]) -> list[dict]:
+    """Each one's metrics, read with one all-reduce and one copy to the host for all (every rank together).
+
+    An online-RL rollout batch reads its several optimizer steps (policy and critic) this way, once.
+    """
+    unread = [m for m in metrics if m._read is None]
+    if unread:
+        total = summed_over_ranks(torch.cat([m.sums.total for m in unread]))
+        scalars = [[k for k, v in m.values.items() if isinstance(v, torch.Tensor)] for m in unread]
+        numbers = torch.cat([total, *(m.values[k].detach().reshape(1).to(total.device, torch.float64)
+                                      for m, keys in zip(unread, scalars) for k in keys)]).tolist()  # the one sync
+        now = time.perf_counter()
+        sums, read = iter(numbers[:total.numel()]), iter(numbers[total.numel():])
+        for m, keys in zip(unread, scalars):
+            own = {name: next(sums) for name in m.sums.names}
+            scalar = {k: next(read) for k in keys}
+            m._read = {**m.finish(own), **{k: scalar.get(k, v) for k, v in m.values.items()}}
+            if m.rates:
+                elapsed = now - m.start
+                m._read.update({name: count / elapsed for name, count in m.rates.items()}, step_time_s=elapsed)
+    return [m._read for m in metrics]
