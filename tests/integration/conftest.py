@@ -86,3 +86,28 @@ def ppo_models(tmp_path_factory):
             word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
             f.write(json.dumps({"prompt": f"sort: {word}\n"}) + "\n")
     return root
+
+
+@pytest.fixture(scope="session")
+def rl_model(tmp_path_factory):
+    """A random tiny Llama vLLM can run (head_dim 32), the demo tokenizer, prompts and a rule reward."""
+    import json
+    import random
+
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.tiny import tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("rl")
+    tokenizer = build_demo_tokenizer()
+    model = tiny_causal_lm("llama", seed=3, vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    rng = random.Random(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for _ in range(32):
+            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
+            f.write(json.dumps({"prompt": f"sort: {word}\n", "label": "".join(sorted(word))}) + "\n")
+    (root / "reward.py").write_text("def reward(prompts, completions, rows):\n"
+                                    "    return [c.count('a') + 0.5 * c.count('e') - 0.1 * len(c) for c in completions]\n")
+    return root

@@ -50,30 +50,6 @@ COMMON = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_b
           "--max_tokens_per_gpu", "96", "--rollout_backend", "vllm", "--colocate_all_models"]
 
 
-@pytest.fixture(scope="module")
-def rl_model(tmp_path_factory):
-    """test_train_ppo's tiny Llama (head_dim 32), the demo tokenizer, sorting prompts and a rule reward."""
-    import random
-
-    from openpack.data.demo_tokenizer import build_demo_tokenizer
-    from openpack.models.tiny import tiny_causal_lm
-
-    root = tmp_path_factory.mktemp("rl")
-    tokenizer = build_demo_tokenizer()
-    tiny_causal_lm("llama", seed=3, vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=4,
-                   num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256).save_pretrained(
-        root / "model")
-    tokenizer.save_pretrained(root / "model")
-    rng = random.Random(0)
-    with open(root / "prompts.jsonl", "w") as f:
-        for _ in range(32):
-            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
-            f.write(json.dumps({"prompt": f"sort: {word}\n"}) + "\n")
-    (root / "reward.py").write_text("def reward(prompts, completions, rows):\n"
-                                    "    return [c.count('a') + 0.5 * c.count('e') - 0.1 * len(c) for c in completions]\n")
-    return root
-
-
 @pytest.mark.slow
 def test_a_colocated_ray_run_samples_with_the_trainers_weights_at_every_step(rl_model, tmp_path):
     """Two Ray ranks under ZeRO-3 with the engine on rank 0's bundle: every rollout is sampled right after a wake

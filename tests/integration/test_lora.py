@@ -187,30 +187,6 @@ def test_load_in_4bit_is_refused_where_it_cannot_run(tmp_path, tiny_pretrain, sf
     assert "give --lora_rank" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def rl_model(tmp_path_factory):
-    """A tiny Llama vLLM can run (head_dim 32), the demo tokenizer, prompts and a rule reward."""
-    import random
-
-    from openpack.data.demo_tokenizer import build_demo_tokenizer
-    from openpack.models.tiny import tiny_causal_lm
-
-    root = tmp_path_factory.mktemp("rl_lora")
-    tokenizer = build_demo_tokenizer()
-    tiny_causal_lm("llama", seed=3, vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=4,
-                   num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256).save_pretrained(
-        root / "model")
-    tokenizer.save_pretrained(root / "model")
-    rng = random.Random(0)
-    with open(root / "prompts.jsonl", "w") as f:
-        for _ in range(16):
-            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
-            f.write(json.dumps({"prompt": f"sort: {word}\n"}) + "\n")
-    (root / "reward.py").write_text("def reward(prompts, completions, rows):\n"
-                                    "    return [c.count('a') + 0.5 * c.count('e') - 0.1 * len(c) for c in completions]\n")
-    return root
-
-
 def test_ppo_with_lora_syncs_merged_weights_to_vllm(tmp_path, rl_model):
     """PPO (LoRA policy and critic, KL against the base with adapters off) with vLLM rollouts under ZeRO-3: the
     merged weights pushed after step 1 make vLLM's log-probs equal the trainer's to 1e-4 (step 2), as before any

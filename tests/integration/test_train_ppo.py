@@ -9,9 +9,7 @@ every token weight comes from the step's counts and every layout must give the s
 final weights to 1e-5 in fp32.
 """
 
-import json
 import os
-import random
 import subprocess
 import sys
 
@@ -36,28 +34,6 @@ AGGREGATIONS = {  # each with the KL where its method puts it
     "seq_mean_token_mean": ["--use_kl_loss", "--kl_estimator", "k3"],
     "seq_mean_token_sum_norm": ["--advantage_estimator", "dr_grpo"],
 }
-
-
-@pytest.fixture(scope="module")
-def rl_model(tmp_path_factory):
-    """A random tiny Llama vLLM can run (head_dim 32), the demo tokenizer, prompts and a rule reward."""
-    from openpack.data.demo_tokenizer import build_demo_tokenizer
-    from openpack.models.tiny import tiny_causal_lm
-
-    root = tmp_path_factory.mktemp("rl")
-    tokenizer = build_demo_tokenizer()
-    model = tiny_causal_lm("llama", seed=3, vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=256, max_position_embeddings=256)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    rng = random.Random(0)
-    with open(root / "prompts.jsonl", "w") as f:
-        for _ in range(32):
-            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
-            f.write(json.dumps({"prompt": f"sort: {word}\n", "label": "".join(sorted(word))}) + "\n")
-    (root / "reward.py").write_text("def reward(prompts, completions, rows):\n"
-                                    "    return [c.count('a') + 0.5 * c.count('e') - 0.1 * len(c) for c in completions]\n")
-    return root
 
 
 def grpo(save_path, root, *flags):
