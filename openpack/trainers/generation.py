@@ -164,9 +164,7 @@ def drop_stale(rollouts: Rollouts, version: int, max_staleness: int) -> tuple[Ro
     keep = [k for k, v in enumerate(rollouts.versions) if version - v <= max_staleness]
     if len(keep) == len(rollouts.versions):
         return rollouts, 0
-    kept = Rollouts(**{name: [getattr(rollouts, name)[k] for k in keep] for name in
-                       ("prompt_tokens", "completion_tokens", "behaviour", "finished", "versions")})
-    return kept, len(rollouts.versions) - len(keep)
+    return rollouts.select(keep), len(rollouts.versions) - len(keep)
 
 
 class RolloutPipeline:
