@@ -15,9 +15,9 @@ from pathlib import Path
 
 from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
-from openpack.cli.train_sft import (DatasetConfig, LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce,
-                                    check_consistency, check_inputs, check_template_flags, demo_sft_model,
-                                    save_all, with_demo_defaults)
+from openpack.cli.train_sft import (FUSED_LOSS_HELP, DatasetConfig, LaunchConfig, ModelConfig, OutputConfig,
+                                    TrainConfig, announce, check_consistency, check_inputs, check_template_flags,
+                                    demo_sft_model, save_all, with_demo_defaults)
 from openpack.core.losses import LOSS_SUMMARIES, PAIR_LOSSES, needs_reference
 from openpack.orchestration.launch import launch, launched_by_environment
 
@@ -60,6 +60,7 @@ class DPOConfig:
                                  at_least=0, below=1)
     nll_loss_coef: float = arg(0.0, "adds this weight of the chosen responses' NLL (the sft loss)", at_least=0)
     simpo_gamma: float = arg(0.5, "SimPO target reward margin", at_least=0)
+    fused_loss: bool = arg(False, FUSED_LOSS_HELP + "; a chunk holds whole pairs")
     ref_offload: bool = arg(False, "keep the reference model's parameters on the CPU (ZeRO-3)")
     ref_logps_cache: str | None = arg(None, "file of precomputed reference log-probs: computed once, reused, reference freed")
     ref_num_nodes: int = arg(0, "nodes of the reference's own Ray actor group", at_least=0,

@@ -129,6 +129,15 @@ class TrainConfig:
             raise ConfigError(f"--adam_betas takes two numbers, got {self.adam_betas}")
 
 
+FUSED_LOSS_HELP = ("compute the LM head, the loss and their gradients in one pass, each chunk's logits once instead "
+                   "of twice: 3 vocabulary-sized matmuls per token instead of 4, same numbers (docs/benchmarks.md)")
+
+
+@dataclass
+class SFTTrainConfig(TrainConfig):
+    fused_loss: bool = arg(False, FUSED_LOSS_HELP)
+
+
 @dataclass
 class OutputConfig:
     save_path: str = arg("./runs/sft", "folder of one run: config.yaml, metrics.jsonl, loss.png, the final model "
@@ -164,7 +173,7 @@ class LaunchConfig:
                                           special={None: "the node's CPUs / --num_gpus_per_node"})
 
 
-CONFIGS = (ModelConfig, DataConfig, TrainConfig, OutputConfig, LaunchConfig)
+CONFIGS = (ModelConfig, DataConfig, SFTTrainConfig, OutputConfig, LaunchConfig)
 
 
 def planned_world_size(launch_cfg: LaunchConfig) -> int:

@@ -139,23 +139,35 @@ def segment_logprobs(batch: PackedBatch, per_token: torch.Tensor) -> SegmentLogp
     segment_ids = batch.segment_ids.to(per_token.device)
     mask = batch.loss_mask.reshape(-1).to(per_token.device)
     zeros = torch.zeros(batch.num_segments, dtype=per_token.dtype, device=per_token.device)
-    sums = zeros.index_add(0, segment_ids, per_token * mask)
-    counts = torch.zeros_like(zeros, dtype=torch.int64).index_add(0, segment_ids, mask.to(torch.int64))
-    return SegmentLogprobs(sum=sums, count=counts)
+    return SegmentLogprobs(sum=zeros.index_add(0, segment_ids, per_token * mask),
+                           count=segment_label_counts(batch, per_token.device))
 
 
-def pair_values(batch, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split per-segment ``values`` [S] of a batch of pairs into (sample ids, chosen, rejected), each [P].
+def segment_label_counts(batch, device=None) -> torch.Tensor:
+    """Label tokens of each segment: [S] int64."""
+    mask = batch.loss_mask.reshape(-1).to(device, torch.int64)
+    return torch.zeros(batch.num_segments, dtype=torch.int64, device=mask.device).index_add(
+        0, batch.segment_ids.to(mask.device), mask)
+
+
+def pair_segments(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sample ids, chosen segment, rejected segment) of a batch of pairs, each [P], ordered by sample id.
 
     Found through the segment table (sample index and role), never by
     position or batch halves (the mix-up of OpenRLHF #294).
     """
-    sample_index, role = batch.sample_index.to(values.device), batch.role.to(values.device)
-    chosen_ids, chosen = _sorted_by_sample(sample_index, values, role == CHOSEN)
-    rejected_ids, rejected = _sorted_by_sample(sample_index, values, role == REJECTED)
+    segments = torch.arange(batch.num_segments, device=batch.role.device)
+    chosen_ids, chosen = _sorted_by_sample(batch.sample_index, segments, batch.role == CHOSEN)
+    rejected_ids, rejected = _sorted_by_sample(batch.sample_index, segments, batch.role == REJECTED)
     if not torch.equal(chosen_ids, rejected_ids):
         raise ValueError(f"pairs are split across micro-batches: chosen {chosen_ids.tolist()} vs rejected {rejected_ids.tolist()}")
     return chosen_ids, chosen, rejected
+
+
+def pair_values(batch, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split per-segment ``values`` [S] of a batch of pairs into (sample ids, chosen, rejected), each [P]."""
+    ids, chosen, rejected = (t.to(values.device) for t in pair_segments(batch))
+    return ids, values[chosen], values[rejected]
 
 
 def _sorted_by_sample(sample_index, values, mask):

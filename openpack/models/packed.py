@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from openpack.core.batch import PackedBatch, PaddedBatch
+from openpack.core.fused_loss import FusedLoss, fused_segment_loss
 from openpack.core.logprobs import token_logprobs
 from openpack.models.attention import ATTN_IMPLEMENTATION, PackedCacheError
 
@@ -69,12 +70,27 @@ def padded_token_logprobs(model, batch: PaddedBatch, chunk_tokens: int | None = 
     return token_logprobs(output.last_hidden_state, weight, batch.labels.reshape(-1), chunk_tokens, entropy)
 
 
+def fused_batch_loss(model, batch: PackedBatch | PaddedBatch, fused: FusedLoss,
+                     chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, per-segment sums of label log-probs [S]) with the head, loss and gradients fused (``--fused_loss``)."""
+    weight = lm_head_weight(model)
+    if isinstance(batch, PackedBatch):
+        hidden, sources = packed_forward(model, batch), batch.label_source
+    else:
+        hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                     use_cache=False).last_hidden_state
+        sources = None
+    return fused_segment_loss(hidden, weight, batch.segment_ids, batch.labels, batch.num_segments, fused, chunk_tokens,
+                              sources)
+
+
 class PackedCausalLM(torch.nn.Module):
     """A causal LM whose forward maps a PackedBatch or PaddedBatch to per-token log-probs.
 
     This is the module DeepSpeed wraps: ``engine(batch)`` returns log-probs
     laid out like ``batch.labels`` flattened, whichever layout the batch has,
-    so a trainer never branches on packing.
+    so a trainer never branches on packing. ``engine(batch, fused=FusedLoss(...))``
+    returns (loss, per-segment sums) instead (``core/fused_loss.py``).
     """
 
     def __init__(self, model, chunk_tokens: int | None = None):
@@ -82,8 +98,11 @@ class PackedCausalLM(torch.nn.Module):
         self.model = model
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, batch: PackedBatch | PaddedBatch, entropy: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: PackedBatch | PaddedBatch, entropy: torch.Tensor | None = None,
+                fused: FusedLoss | None = None):
         """``entropy`` (optional, [tokens] fp32) is filled with each labelled position's entropy, a metric."""
+        if fused is not None:
+            return fused_batch_loss(self.model, batch, fused, self.chunk_tokens)
         if isinstance(batch, PackedBatch):
             return packed_token_logprobs(self.model, batch, self.chunk_tokens, entropy)
         return padded_token_logprobs(self.model, batch, self.chunk_tokens, entropy)

@@ -7,6 +7,8 @@ step of N pairs over all micro-batches and ranks, each micro-batch hands
 DeepSpeed's average over ranks). That is the gradient of the mean over the
 step's pairs whatever the packing, micro-batch layout or world size (the
 normalisation TRL applies to one batch, and OpenRLHF per micro-batch).
+With ``--fused_loss`` the engine returns that loss from the LM head directly,
+each pair's logits computed once (``core/fused_loss.py``); the numbers are the same.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from openpack.core.logprobs import pair_values, segment_logprobs
+from openpack.core.fused_loss import FusedLoss
+from openpack.core.logprobs import pair_segments, segment_label_counts, segment_logprobs
 from openpack.core.losses import LossParams, PairLogps, implicit_rewards, pair_losses
 from openpack.core.schedule import RankStep
 from openpack.distributed.engine import optimizer_step
@@ -37,17 +40,23 @@ class PreferenceObjective:
     loss_weights: list[float]
     params: LossParams
     reference: object | None  # ModelReference or CachedReference
+    fused: bool = False  # --fused_loss
 
 
-def pair_logps(batch, logprobs: torch.Tensor, reference) -> PairLogps:
-    """Per-pair sums (and token counts) of one micro-batch, policy and reference."""
-    seg = segment_logprobs(batch, logprobs)
-    _, chosen, rejected = pair_values(batch, seg.sum)
-    _, chosen_tokens, rejected_tokens = pair_values(batch, seg.count)
-    ref_chosen = ref_rejected = None
-    if reference is not None:
-        _, ref_chosen, ref_rejected = pair_values(batch, reference.segment_sums(batch).to(logprobs.device))
-    return PairLogps(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens)
+class PairTable:
+    """Where each pair of a micro-batch sits in its segment table, found once on the host; maps per-segment
+    sums [S] to ``PairLogps`` with no device sync (the fused loss calls it once per chunk)."""
+
+    def __init__(self, batch, device):
+        _, chosen, rejected = pair_segments(batch)
+        self.chosen, self.rejected = chosen.to(device), rejected.to(device)
+        self.counts = segment_label_counts(batch, device)
+
+    def logps(self, sums: torch.Tensor, ref_sums: torch.Tensor | None) -> PairLogps:
+        """Per-pair sums (and token counts), policy and reference (None: reference-free)."""
+        c, r = self.chosen, self.rejected
+        ref_chosen, ref_rejected = (None, None) if ref_sums is None else (ref_sums[c], ref_sums[r])
+        return PairLogps(sums[c], sums[r], ref_chosen, ref_rejected, self.counts[c], self.counts[r])
 
 
 @torch.no_grad()
@@ -67,13 +76,27 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
     params = dataclasses.replace(objective.params, sft_tokens_per_pair=chosen_tokens / pairs)
     micro_batches = batcher.collate(step.micro_batches)
     sums, grad_norm = DeviceSums(STATS, dist.device), None
+    scale = dist.world_size / pairs
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
+        table = PairTable(batch, dist.device)
+        host_labels, host_pairs = batch.labels, batch.sample_index[batch.segment_ids]  # fused chunks: whole pairs
         batch = batch.to(dist.device)
-        logps = pair_logps(batch, engine(batch), objective.reference)
-        losses = pair_losses(logps, params, objective.loss_types, objective.loss_weights)
-        engine.backward(losses.sum() * dist.world_size / pairs)
+        ref_sums = None if objective.reference is None else objective.reference.segment_sums(batch).to(dist.device)
+
+        def evaluate(segment_sums: torch.Tensor) -> tuple[PairLogps, torch.Tensor]:
+            logps = table.logps(segment_sums, ref_sums)
+            return logps, pair_losses(logps, params, objective.loss_types, objective.loss_weights)
+
+        if objective.fused:  # the head, the loss and its gradients in one pass (core/fused_loss.py)
+            fused = FusedLoss(lambda segment_sums: evaluate(segment_sums)[1].sum() * scale, host_labels, host_pairs)
+            loss, segment_sums = engine(batch, fused=fused)
+            logps, losses = evaluate(segment_sums)
+        else:
+            logps, losses = evaluate(segment_logprobs(batch, engine(batch)).sum)
+            loss = losses.sum() * scale
+        engine.backward(loss)
         grad_norm = optimizer_step(engine) if last else engine.step()
         sums.add(*pair_stats(logps, losses, objective.params.beta))
     return step_metrics(step, engine, grad_norm, sums,

@@ -88,7 +88,7 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
         adapters_off = reference.AdapterReference(run.engine, model, dist.device) if own_reference else None
         scorer, eval_ref = _reference(dpo_cfg.ref_pretrain or pretrain, model_cfg, dpo_cfg, plan, pairs, dist,
                                       eval_batches, eval_pairs, reference_group, adapters_off)
-    objective = PreferenceObjective(loss_types, weights, params, scorer)
+    objective = PreferenceObjective(loss_types, weights, params, scorer, fused=dpo_cfg.fused_loss)
 
     with run.tracker:
         if eval_pairs is not None:

@@ -6,13 +6,16 @@ over the W data-parallel ranks, so each rank hands ``backward`` its share
 times W. The gradient is then that of the mean over the step's tokens, for
 any number or size of micro-batches and any world size (the invariance tests
 check packed == padded, 1x8 == 8x1 and 1 == 2 ranks). Weighting micro-batches
-equally instead is the bug of verl #5625.
+equally instead is the bug of verl #5625. With ``--fused_loss`` the engine
+returns that loss from the LM head directly, each chunk's logits computed once
+(``core/fused_loss.py``); the numbers are the same.
 """
 
 from __future__ import annotations
 
 import time
 
+from openpack.core.fused_loss import FusedLoss
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo
 from openpack.core.schedule import RankStep
@@ -20,9 +23,9 @@ from openpack.trainers.batching import MicroBatcher, step_metrics
 from openpack.trainers.metrics import DeviceSums, StepMetrics
 
 
-def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo) -> StepMetrics:
+def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo, fused: bool = False) -> StepMetrics:
     """Forward/backward over this rank's micro-batches of one step, then one optimizer step; the loss stays on the
-    device until the step is logged (``trainers/metrics.py``)."""
+    device until the step is logged (``trainers/metrics.py``). ``fused``: --fused_loss."""
     start = time.perf_counter()
     (denominator,) = step.label_tokens  # the step's loss tokens over every rank, from the plan
     micro_batches = batcher.collate(step.micro_batches)
@@ -30,10 +33,16 @@ def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo) ->
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
+        host_labels = batch.labels
         batch = batch.to(dist.device)
-        logprobs = engine(batch)
-        nll = -(logprobs * batch.loss_mask.reshape(-1)).sum()
-        engine.backward(nll * dist.world_size / denominator)
+        if fused:  # the NLL is linear in the segments' sums: chunks may cut anywhere
+            loss, segment_sums = engine(batch, fused=FusedLoss(
+                lambda sums: -sums.sum() * dist.world_size / denominator, host_labels))
+            nll = -segment_sums.sum()
+        else:
+            nll = -(engine(batch) * batch.loss_mask.reshape(-1)).sum()
+            loss = nll * dist.world_size / denominator
+        engine.backward(loss)
         if last:
             grad_norm = optimizer_step(engine)
         else:

@@ -69,7 +69,7 @@ def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None, plan: Ran
     with run.tracker:
         if is_demo:
             _report_accuracy(run.tracker, run.position.global_step, "before", demo.accuracy(model, tokenizer))
-        position = run.train(functools.partial(train_step, run.engine, batcher, dist=dist))
+        position = run.train(functools.partial(train_step, run.engine, batcher, dist=dist, fused=train_cfg.fused_loss))
         if is_demo:
             _report_accuracy(run.tracker, position.global_step, "after", demo.accuracy(model, tokenizer))
     return 0

@@ -57,6 +57,19 @@ def test_prefix_sharing_gives_the_same_steps(reference_run, tmp_path, tiny_pretr
     assert all(s["tokens"] < u["tokens"] for s, u in zip(read_metrics(shared), read_metrics(reference_run)))
 
 
+@pytest.mark.parametrize("layout", ["packed_dynamic", "padded_1x8", "prefix_sharing", "zero3"])
+def test_fused_loss_gives_the_same_steps(layout, reference_run, tmp_path, tiny_pretrain, tiny_reference, dpo_jsonl,
+                                         monkeypatch):
+    """--fused_loss (head, loss and gradients in one pass) == the chunked log-probs, in every layout. Chunks of
+    at most 5 label tokens: every pair is over that, so each chunk is one whole pair and the step has many."""
+    monkeypatch.setattr("openpack.core.fused_loss.default_chunk_tokens", lambda vocab: 5)
+    flags = {"packed_dynamic": LAYOUTS["packed_dynamic"], "padded_1x8": LAYOUTS["padded_1x8"],
+             "prefix_sharing": [*LAYOUTS["packed_dynamic"], "--prefix_sharing"],
+             "zero3": [*LAYOUTS["packed_dynamic"], "--zero_stage", "3"]}[layout]
+    assert_same_run(dpo(tmp_path / layout, tiny_pretrain, tiny_reference, dpo_jsonl, *flags, "--fused_loss"),
+                    reference_run)
+
+
 def test_prefix_sharing_needs_packing(tmp_path, tiny_pretrain, dpo_jsonl, capsys):
     argv = ["--pretrain", tiny_pretrain, "--dataset", dpo_jsonl, "--save_path", str(tmp_path), "--prefix_sharing"]
     assert train_dpo.main(argv) == 2

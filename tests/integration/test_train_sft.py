@@ -45,6 +45,15 @@ def test_layouts_give_the_same_steps(layout, reference_run, tmp_path, tiny_pretr
     assert_same_run(run, reference_run)
 
 
+@pytest.mark.parametrize("layout", ["packed_dynamic", "padded_1x8"])
+def test_fused_loss_gives_the_same_steps(layout, reference_run, tmp_path, tiny_pretrain, sft_jsonl, monkeypatch):
+    """--fused_loss == the chunked log-probs. Chunks of 5 label tokens, which cut samples: the NLL is linear in
+    each sample's sum, so any cut is exact."""
+    monkeypatch.setattr("openpack.core.fused_loss.default_chunk_tokens", lambda vocab: 5)
+    run = sft(tmp_path / layout, tiny_pretrain, sft_jsonl, *LAYOUTS[layout], "--fused_loss")
+    assert_same_run(run, reference_run)
+
+
 def test_dynamic_batching_really_packs(reference_run):
     metrics = read_metrics(reference_run)
     assert all(m["micro_batches"] < 8 for m in metrics)  # several samples share each row

@@ -1,0 +1,234 @@
+"""--fused_loss vs the chunked log-probs on CPU: the LM head alone, then whole DPO steps.
+
+    python benchmarks/fused_loss.py [--repeats 3] [--steps 4] [--scale 4] [--vocab 32000] [--markdown PATH]
+    python benchmarks/fused_loss.py --smoke --out /tmp/x     # seconds-long check of the script (CI)
+
+Part 1, the head: for a row of ``--head_tokens`` labelled tokens at width ``--head_hidden`` (Qwen2.5-0.5B's 896)
+and each of ``--head_vocabs``, the time of forward + backward through the LM head and a loss on per-pair sums,
+chunked (``core/logprobs.py``: logits in the forward, again in the backward) vs fused (``core/fused_loss.py``:
+once), interleaved in one process, best of ``--repeats``. The head's gradients must agree.
+
+Part 2, whole steps: ``openpack train_dpo --packing_samples --use_dynamic_batch`` with and without
+``--fused_loss`` on the same saved model, reference and pairs (the ANCHORS length mix divided by ``--scale``;
+by default the TRL comparisons' model, whose vocab-32000 head is most of its work), in fresh interleaved
+processes: seconds per optimizer step after the first (warm-up) and peak RSS, median (min-max) over repeats.
+The two arms compute the same numbers, so the script checks their losses agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+from harness import ModelSpec
+
+SECTION = "fused_loss"
+ARMS = ("chunked", "fused")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs_per_step", type=int, default=16, help="pairs per optimizer step")
+    parser.add_argument("--head_tokens", type=int, default=2048, help="part 1: labelled tokens in the row")
+    parser.add_argument("--head_hidden", type=int, default=896, help="part 1: width of the LM head")
+    parser.add_argument("--head_vocabs", default="32000,151936", help="part 1: comma-separated vocab sizes")
+    harness.add_run_args(parser, SECTION, learning_rate=5e-6)
+    parser.set_defaults(steps=4, repeats=3)
+    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    args.given = " ".join(w for i, w in enumerate(given) if w != "--out" and (i == 0 or given[i - 1] != "--out"))
+    if args.smoke:
+        args.pairs_per_step, args.head_tokens, args.head_hidden, args.head_vocabs = 8, 64, 32, "512"
+        harness.apply_smoke(args)
+    args.markdown, _ = harness.docs_outputs(args.markdown, None, SECTION, args.smoke)
+    args.vocab_sizes = [int(v) for v in args.head_vocabs.split(",")]
+    return args
+
+
+# ---------------------------------------------------------------- part 1: the head alone
+
+
+def head_times(args) -> list[dict]:
+    """Per vocab: seconds of forward + backward, chunked and fused (each repeat), and their gradients' difference."""
+    import torch
+
+    from openpack.core.fused_loss import FusedLoss, fused_segment_loss
+    from openpack.core.logprobs import token_logprobs
+
+    rows = []
+    for vocab in args.vocab_sizes:
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(args.head_tokens, args.head_hidden, generator=gen)
+        weight = torch.randn(vocab, args.head_hidden, generator=gen) * 0.02
+        labels = torch.randint(0, vocab, (args.head_tokens,), generator=gen)
+        segments = torch.arange(args.head_tokens) * 10 // args.head_tokens  # 5 pairs of equal length
+        num_segments = 10
+
+        def loss_of(sums):  # a DPO-like loss of each pair's two sums
+            return -torch.nn.functional.logsigmoid(0.1 * (sums[0::2] - sums[1::2])).sum()
+
+        def chunked(h, w):
+            per_token = token_logprobs(h, w, labels)
+            loss_of(torch.zeros(num_segments).index_add(0, segments, per_token)).backward()
+
+        def fused(h, w):
+            loss, _ = fused_segment_loss(h, w, segments, labels, num_segments, FusedLoss(loss_of, labels, segments // 2))
+            loss.backward()
+
+        times, grads = {arm: [] for arm in ARMS}, {}
+        for _ in range(args.repeats):
+            for arm, run in (("chunked", chunked), ("fused", fused)):
+                h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                start = time.perf_counter()
+                run(h, w)
+                times[arm].append(time.perf_counter() - start)
+                grads[arm] = (h.grad, w.grad)
+        diff = max((a - b).abs().max().item() for a, b in zip(grads["chunked"], grads["fused"]))
+        rows.append({"vocab": vocab, "times": times, "grad_diff": diff,
+                     "ratio": min(times["fused"]) / min(times["chunked"])})
+        print(f"  head, vocab {vocab}: chunked {min(times['chunked']):.2f} s, fused {min(times['fused']):.2f} s, "
+              f"ratio {rows[-1]['ratio']:.3f}, gradient difference {diff:.1e}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- part 2: whole DPO steps
+
+
+def prepare(args, work: Path) -> dict:
+    lengths = harness.scaled_lengths(args.pairs_per_step * args.steps, args.scale, args.seed)
+    row_cap = harness.ROW_CAP // args.scale
+    model = ModelSpec(args.vocab, args.hidden, args.intermediate, args.layers, max_position_embeddings=2 * row_cap)
+    policy, reference = harness.save_models(work, model, seeds=[0, 1])
+    data = harness.write_jsonl(work / "pairs.jsonl", harness.preference_rows(lengths, args.seed))
+    return {"work": work, "policy": policy, "reference": reference, "model": model, "data": data,
+            "row_cap": row_cap, "max_tokens": 16384 // args.scale}
+
+
+def command(args, setup: dict, save_path: Path, fused: bool) -> list[str]:
+    return [
+        "-m", "openpack.cli.main", "train_dpo", "--launcher", "local",
+        "--pretrain", str(setup["policy"]), "--ref_pretrain", str(setup["reference"]), "--dataset", str(setup["data"]),
+        "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", str(setup["max_tokens"]),
+        "--max_len", str(setup["row_cap"]), "--train_batch_size", str(args.pairs_per_step),
+        "--max_steps", str(args.steps), "--learning_rate", str(args.learning_rate), "--lr_scheduler", "constant",
+        "--lr_warmup_ratio", "0", "--beta", "0.1", "--loss_type", "sigmoid", "--seed", str(args.seed),
+        "--save_path", str(save_path), *(["--fused_loss"] if fused else []),
+    ]
+
+
+def run_arm(args, setup: dict, run_dir: Path, env: dict, fused: bool) -> dict:
+    measured = harness.run_measured(command(args, setup, run_dir, fused), run_dir.with_suffix(".log"), env)
+    harness.check_run(measured, f"openpack train_dpo ({'fused' if fused else 'chunked'})")
+    keep = ("loss", "grad_norm", "pairs", "tokens", "micro_batches", "step_time_s")
+    steps = [{k: s[k] for k in keep} for s in harness.read_jsonl(run_dir / "metrics.jsonl")]
+    return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
+
+
+def summarise(runs: list[dict], head: list[dict]) -> dict:
+    per_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
+    loss_diff = max(abs(a["loss"] - b["loss"]) for c, f in zip(per_arm["chunked"], per_arm["fused"])
+                    for a, b in zip(c["steps"], f["steps"]))
+    return {
+        "head": head,
+        "step_time_s": harness.by_arm(runs, "step_time_s"),
+        "peak_rss_mb": harness.by_arm(runs, "peak_rss_mb"),
+        "time_ratio": [f["step_time_s"] / c["step_time_s"] for c, f in zip(per_arm["chunked"], per_arm["fused"])],
+        "max_loss_diff": loss_diff,
+        "max_grad_diff": max(row["grad_diff"] for row in head),
+    }
+
+
+def head_table(s: dict) -> str:
+    lines = ["| vocab | chunked: fwd+bwd (s) | fused: fwd+bwd (s) | fused / chunked time |", "|---:|---:|---:|---:|"]
+    for row in s["head"]:
+        lines.append(f"| {row['vocab']} | {harness.fmt_spread(row['times']['chunked'], '{:.2f}')} "
+                     f"| {harness.fmt_spread(row['times']['fused'], '{:.2f}')} | **{row['ratio']:.2f}** |")
+    return "\n".join(lines)
+
+
+def step_table(s: dict) -> str:
+    lines = ["| arm | s / optimizer step | peak RSS (MiB) |", "|---|---:|---:|"]
+    for arm in ARMS:
+        lines.append(f"| {arm} | {harness.fmt_spread(s['step_time_s'][arm], '{:.2f}')} "
+                     f"| {harness.fmt_spread(s['peak_rss_mb'][arm])} |")
+    lines.append(f"| **fused / chunked** | **{harness.fmt_spread(s['time_ratio'], '{:.2f}')}** | |")
+    return "\n".join(lines)
+
+
+def markdown_section(args, setup: dict, s: dict, wall_s: float) -> str:
+    cmd = harness.shell_command(command(args, setup, setup["work"] / "RUN_DIR", True)).replace(f"{setup['work']}/", "")
+    head_ratios = [row["ratio"] for row in s["head"]]
+    step = harness.spread(s["time_ratio"])[1]
+    verdict = (f"the fused path is faster at every vocab measured ({min(head_ratios):.2f}-{max(head_ratios):.2f}x "
+               "the chunked head's time)" if max(head_ratios) < 1 else
+               f"the fused path is not faster at every vocab ({min(head_ratios):.2f}-{max(head_ratios):.2f}x the "
+               "chunked head's time)")
+    return f"""## Fused LM head + loss: `--fused_loss` vs chunked log-probs (`benchmarks/fused_loss.py`)
+
+```
+python benchmarks/fused_loss.py {args.given}
+```
+
+Machine: {harness.machine_description()}. The script took {wall_s:.0f} s; {args.threads} thread(s).
+
+**The head alone**: one row of {args.head_tokens} labelled tokens, width {args.head_hidden}, fp32, 5 pairs of
+equal length, forward + backward of a DPO-like loss of each pair's two sums into the hidden states and the head;
+the arms interleaved in one process, {args.repeats} repeats, median (min-max), the ratio of the best times. The
+gradients agree to {s['max_grad_diff']:.1e}.
+
+{head_table(s)}
+
+**Whole DPO steps**: {setup['model'].describe()}; fp32; a reference of the same shape (another seed).
+{args.pairs_per_step * args.steps} pairs ({args.steps} steps of {args.pairs_per_step}, the first not counted),
+{harness.scaled_mix_description(args.scale)}; `--max_tokens_per_gpu {setup['max_tokens']}`, sigmoid loss; each arm
+{args.repeats}x in fresh processes, interleaved. The fused arm's command (the other drops `--fused_loss`):
+
+```
+{cmd}
+```
+
+{step_table(s)}
+
+The two arms give the same run: the largest per-step loss difference is {s['max_loss_diff']:.1e}.
+On this machine {verdict}: the chunked head computes each chunk's logits twice (four vocabulary-sized
+matmuls per token), the fused one once (three), and makes one pass of exp fewer. A whole step gains
+less ({step:.2f}x the chunked step's time), since the layers, the reference's forward and the optimizer
+do not change. Memory is the same by construction (one chunk of logits at a time, the head's fp32 gradient
+made in the forward instead of the backward). The fused chunk holds whole pairs, so a pair longer than
+the chunk budget (2^26 logits, 441 tokens at vocab 152k) makes a larger chunk. It is not the default: it covers
+SFT and the DPO family (a loss of per-segment sums), not reward models (no LM head) or online RL.
+"""
+
+
+def benchmark(args, work: Path) -> int:
+    started = time.perf_counter()
+    head = head_times(args)
+    setup = prepare(args, work)
+    print(f"model: {setup['model'].describe()}")
+    env = harness.subprocess_env(args.threads)
+    runs = harness.run_interleaved({
+        arm: (lambda repeat, arm=arm: run_arm(args, setup, work / f"{arm}_{repeat}", env, arm == "fused"))
+        for arm in ARMS
+    }, args.repeats)
+    summary = summarise(runs, head)
+    wall_s = time.perf_counter() - started
+    print(head_table(summary))
+    print(step_table(summary))
+    print(f"largest per-step loss difference {summary['max_loss_diff']:.1e}; wall time {wall_s:.0f} s")
+    (work / "results.json").write_text(json.dumps({"runs": runs, "summary": summary, "wall_s": wall_s}, indent=1))
+    if args.markdown is not None:
+        harness.write_section(args.markdown, SECTION, markdown_section(args, setup, summary, wall_s))
+    return 0 if summary["max_loss_diff"] < 1e-4 and summary["max_grad_diff"] < 1e-4 else 1
+
+
+def main(argv=None) -> int:
+    return harness.run_in_work_folder(parse_args(argv), benchmark, None, "fused_loss_")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
