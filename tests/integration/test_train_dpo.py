@@ -70,6 +70,15 @@ def test_fused_loss_gives_the_same_steps(layout, reference_run, tmp_path, tiny_p
                     reference_run)
 
 
+def test_fused_loss_with_lora_gives_the_same_steps(tmp_path, tiny_pretrain, dpo_jsonl, monkeypatch):
+    """LoRA freezes the head, so the fused path builds no head gradient; the adapters' steps are the same."""
+    monkeypatch.setattr("openpack.core.fused_loss.default_chunk_tokens", lambda vocab: 5)
+    flags = [*LAYOUTS["packed_dynamic"], "--lora_rank", "4", "--lora_alpha", "8"]
+    runs = [dpo(tmp_path / name, tiny_pretrain, tiny_pretrain, dpo_jsonl, *flags, *extra)
+            for name, extra in (("chunked", []), ("fused", ["--fused_loss"]))]
+    assert_same_run(*runs)
+
+
 def test_prefix_sharing_needs_packing(tmp_path, tiny_pretrain, dpo_jsonl, capsys):
     argv = ["--pretrain", tiny_pretrain, "--dataset", dpo_jsonl, "--save_path", str(tmp_path), "--prefix_sharing"]
     assert train_dpo.main(argv) == 2
