@@ -26,9 +26,10 @@ to 8 threads, on save and on load, while the other ranks wait: sha256 ran at
 checkpoint on 8 cores if the disk keeps up, against minutes to write it. A
 truncated or changed file is named, with the newest checkpoint that does
 verify and the flag to resume from it (``--load_checkpoint_tag``). Before
-DeepSpeed loads anything, the checkpoint's world size and data order are
-compared with the new run's (``check_resumable``), so a resume either
-continues exactly or is refused with the settings that differ.
+DeepSpeed loads anything, the checkpoint's world size, ZeRO stage, precision,
+LoRA adapters and data order are compared with the new run's
+(``check_resumable``), so a resume either continues exactly or is refused
+with the settings that differ.
 """
 
 from __future__ import annotations
@@ -367,6 +368,10 @@ NOT_TRAINING = frozenset({"save_path", "ckpt_path", "save_steps", "max_ckpt_num"
                           "wandb_run_name", "use_tensorboard", "launcher", "ray_address", "num_cpus_per_worker"})
 # Settings that change the layout of DeepSpeed's saved optimizer state: it cannot load across them.
 LAYOUT = ("zero_stage", "bf16")
+# LoRA settings that decide which adapters exist and what they add: a checkpoint's adapter weights and their
+# optimizer state fit only its own (DeepSpeed's load_state_dict fails on other names or shapes), and another
+# --lora_alpha would rescale what the adapters learned. Compared only when a side has adapters (--lora_rank > 0).
+LORA = ("lora_rank", "lora_alpha", "target_modules", "load_in_4bit")
 
 
 def changed_settings(saved: dict, now: dict) -> dict[str, tuple]:
@@ -379,12 +384,34 @@ def _listed(changes: dict[str, tuple]) -> str:
     return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
 
 
+def lora_changes(saved: dict, now: dict) -> dict[str, tuple]:
+    """``{key: (saved, now)}`` for the ``LORA`` settings that differ: the rank alone when a side has no adapters
+    (0, or no key in an older checkpoint), every one when both have; ``--target_modules`` compare as sets."""
+    ranks = saved.get("lora_rank") or 0, now.get("lora_rank") or 0
+    if not (ranks[0] and ranks[1]):
+        return {"lora_rank": ranks} if ranks[0] != ranks[1] else {}
+    normal = {"target_modules": lambda v: sorted(set(v or ["all-linear"])), "load_in_4bit": bool}
+
+    def same(key: str) -> bool:
+        as_is = normal.get(key, lambda v: v)
+        return as_is(saved.get(key)) == as_is(now.get(key))
+
+    return {k: (saved.get(k), now.get(k)) for k in LORA if not same(k)}
+
+
+def _as_flag(key: str, value) -> str:
+    """A setting as it is typed: ``--lora_rank 8``, ``--target_modules q_proj v_proj``, ``--no_load_in_4bit``."""
+    if key == "load_in_4bit":
+        return f"--{key}" if value else f"--no_{key}"
+    return f"--{key} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+
 def check_resumable(folder: Path, saved: RunState, now: RunState, step: int) -> dict[str, tuple]:
     """Refuse (ResumeMismatch) a resume that would not continue ``saved``'s run exactly; return what changed.
 
     Exact means: the same world size (ZeRO's optimizer state is partitioned per rank, and openpack does
-    not convert it), the same ZeRO stage and precision, and the same samples in each of the first
-    ``step`` steps of the new plan (so ``--max_steps``/``--max_epochs`` may grow a run, while a new
+    not convert it), the same ZeRO stage, precision and LoRA adapters (``LORA``), and the same samples in each
+    of the first ``step`` steps of the new plan (so ``--max_steps``/``--max_epochs`` may grow a run, while a new
     ``--train_batch_size``, ``--seed``, ``--max_len`` or dataset, which would skip or repeat samples,
     is refused). ``now.config`` may be {} (no config known): then only the plan and world size count.
     """
@@ -397,6 +424,14 @@ def check_resumable(folder: Path, saved: RunState, now: RunState, step: int) -> 
             "ZeRO partitions the optimizer state per rank and openpack does not convert checkpoints between world "
             f"sizes; resume on {saved.world_size} rank(s) (--num_nodes x --num_gpus_per_node), or start a new run "
             f"(another --save_path, or --overwrite). {listed}")
+    lora = lora_changes(saved.config, now.config) if now.config and saved.config else {}
+    if lora:
+        listed_lora = ", ".join(f"{_as_flag(k, a)} -> {_as_flag(k, b).removeprefix(f'--{k} ')}"
+                                for k, (a, b) in lora.items())
+        raise ResumeMismatch(f"cannot resume {folder}: this run changes the LoRA adapters ({listed_lora}); the "
+                             "checkpoint's adapter weights and optimizer state fit only the adapters it was saved "
+                             f"with. Resume with {' '.join(_as_flag(k, a) for k, (a, _) in lora.items())}, or "
+                             "start a new run: another --save_path, or --overwrite")
     layout = {k: v for k, v in changes.items() if k in LAYOUT}
     if layout:
         raise ResumeMismatch(f"cannot resume {folder}: DeepSpeed cannot load its optimizer state across a change "

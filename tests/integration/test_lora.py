@@ -50,6 +50,15 @@ def assert_only_adapters_moved(run, base_folder):
     assert all(w.abs().sum() > 0 for name, w in adapter.items() if "lora_B" in name)  # B starts at zero
 
 
+def stopped_at_step_2(run, tmp_path):
+    """A save path holding only ``run``'s step-2 checkpoint, as if the run had stopped there."""
+    interrupted = tmp_path / "interrupted"
+    (interrupted / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run / "checkpoints" / "global_step2", interrupted / "checkpoints" / "global_step2")
+    (interrupted / "checkpoints" / "latest").write_text("global_step2")
+    return interrupted
+
+
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, tiny_pretrain, sft_jsonl):
     return sft(tmp_path_factory.mktemp("sft_lora"), tiny_pretrain, sft_jsonl, "--max_steps", "4", "--save_steps",
@@ -84,10 +93,7 @@ def test_the_merged_export_equals_the_base_with_its_adapters(sft_run, tiny_pretr
 def test_resumed_equals_uninterrupted(sft_run, tmp_path, tiny_pretrain, sft_jsonl):
     """Stopped after step 2 (its checkpoint holds the adapters and their optimizer state), resumed: steps 3-4 and
     the merged export match the uninterrupted run."""
-    interrupted = tmp_path / "interrupted"
-    (interrupted / "checkpoints").mkdir(parents=True)
-    shutil.copytree(sft_run / "checkpoints" / "global_step2", interrupted / "checkpoints" / "global_step2")
-    (interrupted / "checkpoints" / "latest").write_text("global_step2")
+    interrupted = stopped_at_step_2(sft_run, tmp_path)
     sft(interrupted, tiny_pretrain, sft_jsonl, "--max_steps", "4", "--save_steps", "2", "--max_ckpt_num", "5",
         "--load_checkpoint")
     resumed, uninterrupted = read_metrics(interrupted), read_metrics(sft_run)
@@ -97,6 +103,27 @@ def test_resumed_equals_uninterrupted(sft_run, tmp_path, tiny_pretrain, sft_json
     full = load_weights(sft_run)
     for name, w in load_weights(interrupted).items():
         torch.testing.assert_close(w, full[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("change, flag", [(["--lora_rank", "4"], "--lora_rank 8 -> 4"),
+                                          (["--lora_alpha", "32"], "--lora_alpha 16 -> 32"),
+                                          (["--target_modules", "q_proj", "v_proj"],
+                                           "--target_modules all-linear -> q_proj v_proj"),
+                                          (["--lora_rank", "0"], "--lora_rank 8 -> 0")])
+def test_a_resume_with_other_lora_settings_is_refused_before_deepspeed_loads(change, flag, sft_run, tmp_path,
+                                                                             tiny_pretrain, sft_jsonl, capsys):
+    """Today DeepSpeed's load_state_dict failed on the adapters' keys and shapes (or, for --lora_alpha, the
+    adapters resumed rescaled); now openpack refuses first, naming the flag, both values and the fix."""
+    interrupted = stopped_at_step_2(sft_run, tmp_path)
+    argv = ["--pretrain", tiny_pretrain, "--dataset", sft_jsonl, "--save_path", str(interrupted), *COMMON,
+            "--max_steps", "4", "--save_steps", "2", "--load_checkpoint", *change]
+    capsys.readouterr()
+    assert train_sft.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"changes the LoRA adapters ({flag})" in err, err
+    old = flag.split(" -> ")[0]
+    assert f"Resume with {old}," in err and "--overwrite" in err, err
+    assert "Traceback" not in err and not (interrupted / "metrics.jsonl").exists()
 
 
 def test_dpo_reference_is_the_base_with_adapters_disabled(tmp_path, tiny_pretrain, dpo_jsonl):

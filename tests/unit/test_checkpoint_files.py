@@ -111,6 +111,22 @@ def test_another_world_size_or_zero_stage_is_refused():
         check_resumable("ckpt", state(["a"]), state(["a"], zero_stage=3), 1)
 
 
+def test_other_lora_adapters_are_refused_naming_the_flag_both_values_and_the_fix():
+    lora = dict(lora_rank=8, lora_alpha=16, target_modules=["all-linear"], load_in_4bit=False)
+    with pytest.raises(ResumeMismatch, match=r"\(--lora_rank 8 -> 0\).*Resume with --lora_rank 8, or"):
+        check_resumable("ckpt", state(["a"], **lora), state(["a"], **{**lora, "lora_rank": 0}), 1)
+    with pytest.raises(ResumeMismatch, match=r"\(--load_in_4bit -> --no_load_in_4bit\).*Resume with --load_in_4bit,"):
+        check_resumable("ckpt", state(["a"], **{**lora, "load_in_4bit": True}), state(["a"], **lora), 1)
+    with pytest.raises(ResumeMismatch, match=r"\(--lora_rank 0 -> 8\)"):  # a checkpoint from before LoRA
+        check_resumable("ckpt", state(["a"]), state(["a"], **lora), 1)
+    # no adapters on either side: the LoRA-only flags change nothing; the same targets in another order are the same
+    assert check_resumable("ckpt", state(["a"], lora_rank=0, lora_alpha=16), state(["a"], lora_rank=0, lora_alpha=32),
+                           1) == {"lora_alpha": (16, 32)}
+    pair = [{**lora, "target_modules": ["q_proj", "v_proj"]}, {**lora, "target_modules": ["v_proj", "q_proj"]}]
+    assert checkpoint.lora_changes(*pair) == {}
+    assert checkpoint.lora_changes(lora, {**lora, "target_modules": None, "lora_dropout": 0.1}) == {}
+
+
 def test_disk_full_is_recognised_with_or_without_an_errno(tmp_path, monkeypatch):
     assert checkpoint._is_disk_full(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
     assert checkpoint._is_disk_full(RuntimeError("I/O error: No space left on device (os error 28)"), tmp_path)
