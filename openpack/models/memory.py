@@ -15,10 +15,12 @@ of the estimate for T = 1024-4096 and 8-16 layers
 autograd really saves).
 
 Weights, gradients and AdamW states come on top: 4 + 4 + 8 bytes per
-parameter in fp32, 2 + 2 + 12 in bf16 (fp32 master weights and moments),
-the optimizer share divided over ranks from ZeRO-1, the gradients from
-ZeRO-2 and the weights at ZeRO-3, and the optimizer moved off the device
-with ``--adam_offload``.
+trained parameter in fp32, 2 + 2 + 12 in bf16 (fp32 master weights and
+moments), the optimizer share divided over ranks from ZeRO-1, the gradients
+from ZeRO-2 and the weights at ZeRO-3, and the optimizer moved off the device
+with ``--adam_offload``. A frozen parameter (a LoRA base, a colocated
+reference model) holds its weight only: LoRA at rank 16 on a 1.5B model
+(~18M adapters) needs ~6.2 GB of states in fp32 instead of 24 GB.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def activation_numbers_per_token(config, gradient_checkpointing: bool = False) -
 
 def step_memory(config, num_params: int, bf16: bool, gradient_checkpointing: bool, zero_stage: int, world_size: int,
                 adam_offload: bool = False, frozen_params: int = 0, chunk_elements: int = 1 << 26) -> StepMemory:
-    """What one rank holds in a step; ``frozen_params`` are a colocated reference model's (weights only)."""
+    """What one rank holds in a step: ``num_params`` trained (weights, gradients, AdamW states) and ``frozen_params``
+    not (weights only: a LoRA model's base, a colocated reference model)."""
     width = 2 if bf16 else 4
     weights = (num_params + frozen_params) * width
     grads = num_params * width

@@ -62,26 +62,37 @@ def batching(train_cfg) -> Batching:
     return Batching(micro_batch_size=train_cfg.micro_train_batch_size)
 
 
+def training_memory(model, model_cfg, world_size: int, gradient_checkpointing: bool, frozen_params: int = 0):
+    """``models.memory.step_memory`` of ``model`` as it will train (after ``apply_lora``): only the parameters that
+    require a gradient (LoRA's adapters and a reward or value head, or every weight without LoRA) have gradients and
+    AdamW states; the others (a LoRA base), and the ``frozen_params`` of a colocated reference model, weights only."""
+    from openpack.models.memory import step_memory
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad) + frozen_params
+    return step_memory(model.config, trainable, model_cfg.bf16, gradient_checkpointing, model_cfg.zero_stage,
+                       world_size, model_cfg.adam_offload, frozen)
+
+
 def warn_if_memory_short(model, model_cfg, train_cfg, max_len: int, dist, segments_per_sample: int = 1,
                          frozen_params: int = 0) -> str | None:
     """Before the first step: the warning of ``models.memory`` when a micro-batch's tokens cannot fit this device.
 
     A micro-batch is ``--max_tokens_per_gpu`` tokens under dynamic batching, else ``--micro_train_batch_size``
-    samples of up to ``--max_len`` tokens per segment. ``frozen_params``: a colocated reference model's.
+    samples of up to ``--max_len`` tokens per segment. ``model`` as it trains (LoRA applied: ``training_memory``);
+    ``frozen_params``: a colocated reference model's.
     """
     import os
 
-    from openpack.models.memory import budget_warning, device_memory, step_memory
+    from openpack.models.memory import budget_warning, device_memory
 
     if train_cfg.packing_samples and train_cfg.use_dynamic_batch:
         tokens, flag = train_cfg.max_tokens_per_gpu, "--max_tokens_per_gpu"
     else:
         tokens, flag = train_cfg.micro_train_batch_size * max_len * segments_per_sample, "--micro_train_batch_size"
-    params = sum(p.numel() for p in model.parameters())
 
     def need(checkpointing: bool):
-        return step_memory(model.config, params, model_cfg.bf16, checkpointing, model_cfg.zero_stage, dist.world_size,
-                           model_cfg.adam_offload, frozen_params)
+        return training_memory(model, model_cfg, dist.world_size, checkpointing, frozen_params)
 
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if dist.device.type == "cpu":

@@ -61,6 +61,7 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     tokenizer = load_tokenizer(pretrain)
     model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing,
                            load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
+    model = apply_lora(model, model_cfg)  # before the memory check: under LoRA only the adapters train
     own_reference = bool(model_cfg.lora_rank) and not dpo_cfg.ref_pretrain  # LoRA: the base is the reference
     colocated = needs_reference(dpo_cfg.losses()[0]) and reference_group is None and dpo_cfg.ref_logps_cache is None \
         and not own_reference
@@ -76,7 +77,6 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
-    model = apply_lora(model, model_cfg)
     run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config)
 
     loss_types, weights = dpo_cfg.losses()

@@ -85,6 +85,7 @@ def run_rm(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, demo_model=None, sav
     tokenizer = load_tokenizer(pretrain)
     model = load_reward_model(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing, rm_cfg.value_head_prefix,
                               tokenizer.pad_token_id, load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
+    model = apply_lora(model, model_cfg, head=HEAD)  # LoRA: adapters, and the value head trained in full
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
         items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, dist.world_size,
@@ -96,7 +97,6 @@ def run_rm(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, demo_model=None, sav
     segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
-    model = apply_lora(model, model_cfg, head=HEAD)  # LoRA: adapters, and the value head trained in full
     module = PackedRewardModel(model)
     run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config, module=module)
     margins = None

@@ -50,6 +50,22 @@ def assert_only_adapters_moved(run, base_folder):
     assert all(w.abs().sum() > 0 for name, w in adapter.items() if "lora_B" in name)  # B starts at zero
 
 
+def models_memory_checked(monkeypatch) -> list:
+    """The models the memory check before the first step sizes (``batching.training_memory``, spied on)."""
+    from openpack.trainers import batching
+
+    seen, real = [], batching.training_memory
+    monkeypatch.setattr(batching, "training_memory", lambda model, *a, **k: seen.append(model) or real(model, *a, **k))
+    return seen
+
+
+def assert_memory_checked_with_adapters(seen):
+    """The check counted only the adapters (and a reward head) as trained: it ran after apply_lora."""
+    from openpack.models.lora import is_lora
+
+    assert seen and all(is_lora(model) for model in seen), [type(model).__name__ for model in seen]
+
+
 def stopped_at_step_2(run, tmp_path):
     """A save path holding only ``run``'s step-2 checkpoint, as if the run had stopped there."""
     interrupted = tmp_path / "interrupted"
@@ -126,9 +142,10 @@ def test_a_resume_with_other_lora_settings_is_refused_before_deepspeed_loads(cha
     assert "Traceback" not in err and not (interrupted / "metrics.jsonl").exists()
 
 
-def test_dpo_reference_is_the_base_with_adapters_disabled(tmp_path, tiny_pretrain, dpo_jsonl):
+def test_dpo_reference_is_the_base_with_adapters_disabled(tmp_path, tiny_pretrain, dpo_jsonl, monkeypatch):
     """No second model: at step 1 the adapters are zero, so policy == reference (margin 0, loss ln 2); the cached
     reference (--ref_logps_cache) is scored with the adapters off; after training only the adapters moved."""
+    memory_checked = models_memory_checked(monkeypatch)
     cache = tmp_path / "ref.pt"
     run = tmp_path / "dpo"
     argv = ["--pretrain", tiny_pretrain, "--dataset", dpo_jsonl, "--save_path", str(run), *COMMON, "--max_steps",
@@ -139,6 +156,7 @@ def test_dpo_reference_is_the_base_with_adapters_disabled(tmp_path, tiny_pretrai
     assert abs(second["rewards/margins"]) > 1e-4, second
     assert cache.exists()
     assert_only_adapters_moved(run, tiny_pretrain)
+    assert_memory_checked_with_adapters(memory_checked)
 
 
 def test_adapter_reference_scores_as_a_separately_loaded_base(tiny_pretrain):
@@ -183,9 +201,10 @@ def test_the_optimizer_gets_only_adapters_and_the_reward_head(tiny_pretrain):
         assert len(names) < len(list(module.parameters()))
 
 
-def test_rm_trains_adapters_and_its_head(tmp_path, tiny_pretrain, dpo_jsonl):
+def test_rm_trains_adapters_and_its_head(tmp_path, tiny_pretrain, dpo_jsonl, monkeypatch):
     from transformers import AutoModelForSequenceClassification
 
+    memory_checked = models_memory_checked(monkeypatch)
     run = tmp_path / "rm"
     argv = ["--pretrain", tiny_pretrain, "--dataset", dpo_jsonl, "--save_path", str(run), *COMMON, "--max_steps", "3"]
     assert train_rm.main(argv) == 0
@@ -196,6 +215,7 @@ def test_rm_trains_adapters_and_its_head(tmp_path, tiny_pretrain, dpo_jsonl):
     assert "score" in config["modules_to_save"]
     exported = AutoModelForSequenceClassification.from_pretrained(run / "model")  # plain transformers, one label
     assert exported.config.num_labels == 1 and "score.weight" in load_weights(run)
+    assert_memory_checked_with_adapters(memory_checked)
 
 
 def test_load_in_4bit_is_refused_where_it_cannot_run(tmp_path, tiny_pretrain, sft_jsonl, capsys):

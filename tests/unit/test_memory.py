@@ -72,3 +72,32 @@ def test_zero_partitions_the_states_over_ranks():
     assert step_memory(config, 10**6, False, False, 2, 4).states == 4 * 10**6 + 3 * 10**6
     assert step_memory(config, 10**6, False, False, 3, 4).states == 4 * 10**6
     assert step_memory(config, 10**6, True, False, 0, 1, adam_offload=True).states == 4 * 10**6
+
+
+def test_under_lora_only_the_adapters_and_a_reward_head_get_gradients_and_adam_states(tmp_path):
+    """Tiny Llama (vocab 256, h 64, MLP 128, 2 layers, kv 2 x 16 = 32, untied head), LoRA rank 4 on all-linear.
+
+    Weights: embedding 256*64 = 16384, per layer q, o 64*64 = 4096 each, k, v 64*32 = 2048 each, gate, up, down
+    64*128 = 8192 each, two norms 2*64 = 128: 36992; final norm 64; LM head 256*64 = 16384. Base: 16384 + 2*36992 +
+    64 + 16384 = 106816. Adapters, r (in + out) per linear: q, o 4*128 = 512, k, v 4*96 = 384, gate, up, down
+    4*192 = 768: 4096 per layer, 8192 in all. fp32, ZeRO-0, one rank: 4 bytes of weight for every parameter, 4 of
+    gradient and 8 of AdamW moments for the 8192 adapters only:
+    4 * (106816 + 8192) + 12 * 8192 = 460032 + 98304 = 558336 (counting all as trained: 16 * 115008 = 1840128).
+    A reward model has no LM head (106816 - 16384 = 90432) but a score head 64 -> 1, kept and trained as a copy
+    (peft's modules_to_save): 4 * (90432 + 64 + 64 + 8192) + 12 * (8192 + 64) = 395008 + 99072 = 494080.
+    """
+    from types import SimpleNamespace
+
+    from openpack.models.lora import apply_lora
+    from openpack.models.reward import load_reward_model
+    from openpack.trainers.batching import training_memory
+
+    cfg = SimpleNamespace(lora_rank=4, lora_alpha=8, lora_dropout=0.0, target_modules=["all-linear"], bf16=False,
+                          zero_stage=0, adam_offload=False)
+    assert training_memory(tiny_causal_lm("llama"), cfg, 1, False).states == 16 * 106816  # no LoRA: all train
+    policy = apply_lora(tiny_causal_lm("llama"), cfg)
+    assert training_memory(policy, cfg, 1, False).states == 558336
+    assert training_memory(policy, cfg, 1, False, frozen_params=1000).states == 558336 + 4 * 1000  # a reference
+    tiny_causal_lm("llama").save_pretrained(tmp_path)
+    reward = apply_lora(load_reward_model(str(tmp_path), pad_token_id=0), cfg, head="score")
+    assert training_memory(reward, cfg, 1, False).states == 494080
