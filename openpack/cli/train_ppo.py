@@ -89,9 +89,9 @@ class RolloutConfig:
     num_episodes: int = arg(1, "passes over the prompts", at_least=1)
     async_train: bool = arg(False, "generate the next rollout batches with the current weights while training on "
                             "this one (vLLM engines; docs/rl.md, Asynchronous training)")
-    max_staleness: int = arg(1, "with --async_train: rollout batches generated ahead of training, so the most policy "
-                             "versions between sampling a rollout and training on it (0: the synchronous loop)",
-                             at_least=0)
+    max_staleness: int | None = arg(None, "with --async_train: rollout batches generated ahead of training, so the "
+                                    "most policy versions between sampling a rollout and training on it (0: the "
+                                    "synchronous loop)", at_least=0, special={None: "1 with --async_train"})
     colocate_all_models: bool = arg(False, "policy, reference, reward models and vLLM share the training ranks' "
                                     "devices, taking turns: vLLM sleeps while DeepSpeed trains, DeepSpeed's states "
                                     "are offloaded while vLLM generates (docs/rl.md, Placement)")
@@ -100,6 +100,12 @@ class RolloutConfig:
     ref_num_nodes: int = arg(0, "the reference model (a KL needs one) in a Ray actor of its own, one process on "
                              "one node, which every rank asks for its share (train_dpo's flag)", at_least=0, at_most=1,
                              special={0: "in every training rank"})
+
+    def validate(self):
+        if self.max_staleness is not None and not self.async_train:  # it would be ignored: the loop is synchronous
+            raise ConfigError(f"--max_staleness {self.max_staleness} bounds how far generation runs ahead of "
+                              "training under --async_train, and this run is synchronous: add --async_train, or "
+                              "drop --max_staleness")
 
 
 @dataclass

@@ -114,7 +114,14 @@ def rl_settings(rollout_cfg, rl_cfg, train_cfg) -> RLSettings:
                       rl_cfg.freezing_actor_steps, rl_cfg.overlong_buffer_len, rl_cfg.overlong_penalty_factor,
                       tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None, rl_cfg.dynamic_filtering,
                       tuple(rl_cfg.dynamic_filtering_reward_range) if rl_cfg.dynamic_filtering_reward_range else None,
-                      async_staleness=rollout_cfg.max_staleness if rollout_cfg.async_train else 0)
+                      async_staleness=async_staleness(rollout_cfg))
+
+
+def async_staleness(rollout_cfg) -> int:
+    """How many rollout batches generation runs ahead: --max_staleness (none: 1) under --async_train, else 0."""
+    if not rollout_cfg.async_train:
+        return 0
+    return 1 if rollout_cfg.max_staleness is None else rollout_cfg.max_staleness
 
 
 def vllm_available() -> bool:

@@ -109,6 +109,28 @@ def test_async_with_hf_rollouts_is_refused(rl_task, tmp_path, capsys):  # noqa: 
     assert "drop --async_train, or use --rollout_backend vllm" in capsys.readouterr().err
 
 
+def test_max_staleness_without_async_train_is_refused_and_defaults_to_1_with_it(tmp_path):
+    """Before, an explicit --max_staleness without --async_train (its default was 1) was ignored in silence: the
+    loop stayed synchronous. Now a value given by flag or --config file is refused, naming both flags and the fix;
+    unset, it is 1 under --async_train and 0 (synchronous) without."""
+    from openpack.cli.config import ConfigError, parse_config
+    from openpack.cli.train_ppo import CONFIGS
+    from openpack.trainers.ppo_worker import async_staleness
+
+    def rollout_cfg(*argv):
+        return parse_config(list(argv), "openpack train_ppo", "", *CONFIGS)[4]
+
+    with pytest.raises(ConfigError, match=r"--max_staleness 2 .*--async_train.*add --async_train, or drop "
+                                          r"--max_staleness"):
+        rollout_cfg("--max_staleness", "2")
+    (tmp_path / "run.yaml").write_text("max_staleness: 0\n")
+    with pytest.raises(ConfigError, match="--max_staleness 0"):
+        rollout_cfg("--config", str(tmp_path / "run.yaml"))
+    assert async_staleness(rollout_cfg()) == 0
+    assert async_staleness(rollout_cfg("--async_train")) == 1
+    assert async_staleness(rollout_cfg("--async_train", "--max_staleness", "3")) == 3
+
+
 class FakeEngines:
     """Engines whose completion of a prompt is the weight version they hold when asked: [version]."""
 
