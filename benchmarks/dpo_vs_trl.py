@@ -149,9 +149,11 @@ def openpack_command(args, setup: dict, save_path: Path) -> list[str]:
     ]
 
 
-def run_openpack(args, setup: dict, run_dir: Path, env: dict) -> dict:
-    measured = harness.run_measured(openpack_command(args, setup, run_dir), run_dir.with_suffix(".log"), env)
-    harness.check_run(measured, "openpack train_dpo")
+def run_openpack(args, setup: dict, run_dir: Path, env: dict, flags: tuple[str, ...] = ()) -> dict:
+    """One openpack run: ``openpack_command`` plus ``flags`` (prefix_sharing.py adds --prefix_sharing, LoRA)."""
+    measured = harness.run_measured([*openpack_command(args, setup, run_dir), *flags], run_dir.with_suffix(".log"),
+                                    env)
+    harness.check_run(measured, " ".join(["openpack train_dpo", *flags]))
     keep = ("loss", "pairs", "tokens", "micro_batches", "packing_efficiency", "step_time_s")
     steps = [{k: s[k] for k in keep} for s in harness.read_jsonl(run_dir / "metrics.jsonl")]
     return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
@@ -335,8 +337,8 @@ def setup_text(args, setup: dict, s: dict) -> str:
         f"length {setup['row_cap']} per sequence (nothing truncated), {args.pairs_per_step} pairs per optimizer "
         f"step, sigmoid loss, beta {args.beta}, lr {args.learning_rate:g} constant, AdamW (0.9, 0.999), no weight "
         f"decay, clip 1.0, no gradient checkpointing, a reference of the same architecture (another seed), "
-        f"{args.threads} threads. openpack: `--max_tokens_per_gpu {setup['max_tokens']}` (its default 16384 / "
-        f"{args.scale}), ZeRO-2 (its default), attention per segment. "
+        f"{args.threads} thread{'s' if args.threads != 1 else ''}. openpack: `--max_tokens_per_gpu "
+        f"{setup['max_tokens']}` (its default 16384 / {args.scale}), ZeRO-2 (its default), attention per segment. "
         f"TRL: `DPOConfig(use_cpu=True, bf16=False, gradient_checkpointing=False, "
         f"gradient_accumulation_steps={args.pairs_per_step // TRL_MICRO_BATCH}, train_sampling_strategy="
         f"\"sequential\", ...)`, {TRL_MICRO_BATCH} pairs per padded micro-batch (its default), SDPA with a padding "

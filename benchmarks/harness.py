@@ -110,12 +110,25 @@ class ModelSpec:
                 "num_hidden_layers": self.num_hidden_layers, "max_position_embeddings": self.max_position_embeddings}
 
     def describe(self) -> str:
-        head = self.vocab_size * self.hidden_size
-        layers = self.num_hidden_layers * self._layer_params()
         return (f"Llama, {self.num_hidden_layers} layers, width {self.hidden_size}, MLP {self.intermediate_size}, "
                 f"4 query / 2 KV heads, untied LM head, vocab {self.vocab_size} (the tokenizer uses 46 of them); "
-                f"{(2 * head + layers) / 1e6:.1f}M parameters; the LM head is {head / (head + layers):.0%} of "
+                f"{self.parameters() / 1e6:.1f}M parameters; the LM head is {self.head_share():.0%} of "
                 "the weight matmuls per token")
+
+    def head_share(self) -> float:
+        """The LM head's share of the weight matmuls per token."""
+        head = self.vocab_size * self.hidden_size
+        return head / (head + self.num_hidden_layers * self._layer_params())
+
+    def parameters(self) -> int:
+        """Weights of the embedding, the layers and the LM head (norms left out: < 0.1%)."""
+        return 2 * self.vocab_size * self.hidden_size + self.num_hidden_layers * self._layer_params()
+
+    def lora_parameters(self, rank: int) -> int:
+        """Adapter weights at ``rank`` on every linear layer of the decoder (peft's all-linear: not the LM head)."""
+        h, i = self.hidden_size, self.intermediate_size
+        # rank x (in + out) per linear: q, o (h -> h); k, v (h -> h/2); gate, up (h -> i); down (i -> h)
+        return self.num_hidden_layers * rank * (2 * 2 * h + 2 * (h + h // 2) + 3 * (h + i))
 
     def _layer_params(self) -> int:
         h = self.hidden_size
@@ -317,6 +330,18 @@ def machine_description() -> str:
         pass
     versions = ", ".join(f"{name} {_version(name)}" for name in LIBRARIES)
     return f"{os.cpu_count()}-core CPU ({cpu}), no GPU; run on {datetime.date.today().isoformat()} with {versions}"
+
+
+def code_description() -> str:
+    """``openpack at commit abc1234``, saying so when openpack/ differs from that commit; or why it is unknown."""
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "openpack"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "openpack from a folder outside git (commit unknown)"
+    return f"openpack at commit {commit}" + (" with uncommitted changes in openpack/" if changed else "")
 
 
 def _version(name: str) -> str:

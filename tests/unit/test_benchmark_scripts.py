@@ -133,12 +133,16 @@ def test_grpo_vs_trl_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_prefix_sharing_smoke(tmp_path):
-    """Both arms run on a tiny model; prefix sharing computes fewer tokens and gives the same losses."""
-    doc = tmp_path / "benchmarks.md"
-    cmd = [sys.executable, str(BENCHMARKS / "prefix_sharing.py"), "--smoke", "--out", str(tmp_path / "work"),
-           "--markdown", str(doc)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((tmp_path / "work" / "results.json").read_text())["summary"]
+    """All four arms run on a tiny model; prefix sharing computes fewer tokens and gives the same losses, and
+    step 1 (LoRA's adapters start at zero; TRL trains the same pairs) gives one loss in every arm."""
+    results, text = run_smoke("prefix_sharing.py", tmp_path)
+    summary = results["summary"]
+    arms = ["unshared", "prefix_sharing", "prefix_sharing+lora", "trl"]
+    for key in ("step_time_s", "peak_rss_mb"):
+        assert_spread(summary[key], arms)
     assert summary["token_reduction"] > 0.1 and summary["max_loss_diff"] < 1e-4
-    assert "<!-- prefix_sharing:begin -->" in doc.read_text()
+    assert max(summary["first_step_loss_diff"].values()) < 1e-4
+    assert summary["positions_per_step"]["trl"] > summary["tokens_per_step"]["trl"]  # TRL pads
+    for ratio in ("time_reduction", "lora_rss_ratio", "lora_time_ratio"):
+        assert len(summary[ratio]) == 1
+    assert "prefix_sharing+lora" in text and "issue's target" in text
