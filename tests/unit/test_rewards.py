@@ -43,31 +43,42 @@ def test_a_bad_reward_names_the_function_and_the_batch(tmp_path, body, message):
 
 
 class _Server:
-    """An HTTP reward server on loopback answering each POST with ``answer(payload)`` after ``delay`` seconds."""
+    """An HTTP reward server on loopback answering each POST with ``answer(payload)`` after ``delay`` seconds.
+
+    ``close`` cuts a delay short and waits for every request's thread: a client that gave up (the hanging server's
+    test) is answered into a closed socket, and that BrokenPipeError is swallowed, not printed by a thread still
+    asleep when pytest has moved on or ended.
+    """
 
     def __init__(self, answer, delay=0.0):
         outer = self
-        self.requests = []
+        self.requests, self.handlers, self.closing = [], [], threading.Event()
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
+                outer.handlers.append(threading.current_thread())
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append(payload)
-                time.sleep(delay)
+                outer.closing.wait(delay)
                 body = json.dumps(answer(payload)).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client timed out and left
 
             def log_message(self, *args):
                 pass
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = False  # so server_close joins the request threads
         self.url = f"http://127.0.0.1:{self.httpd.server_port}/score"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self):
+        self.closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -81,7 +92,7 @@ def test_openrlhf_protocol_round_trip():
         server.close()
 
 
-def test_a_server_that_is_down_or_hangs_is_cut_off():
+def test_a_server_that_is_down_or_hangs_is_cut_off(capfd):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}/score"  # bound, not listening: refused
@@ -97,6 +108,8 @@ def test_a_server_that_is_down_or_hangs_is_cut_off():
         assert time.monotonic() - start < 4  # two tries of 0.5 s, not the server's 5 s
     finally:
         hanging.close()
+    assert len(hanging.handlers) == 2 and not any(thread.is_alive() for thread in hanging.handlers)
+    assert "Traceback" not in capfd.readouterr().err  # nothing left to print a BrokenPipeError after the test
 
 
 def test_an_answer_without_rewards_is_named():
