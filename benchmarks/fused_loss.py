@@ -2,8 +2,9 @@
 
     python benchmarks/fused_loss.py [--repeats 3] [--steps 4] [--scale 4] [--vocab 32000] [--markdown PATH]
     python benchmarks/fused_loss.py --smoke --out /tmp/x     # seconds-long check of the script (CI)
+    python benchmarks/fused_loss.py --head_only --device cuda --dtype bfloat16 --head_tokens 8192   # a GPU
 
-Part 1, the head: for a row of ``--head_tokens`` labelled tokens at width ``--head_hidden`` (Qwen2.5-0.5B's 896)
+Part 1, the head (run last, in this process): for a row of ``--head_tokens`` labelled tokens at width ``--head_hidden`` (Qwen2.5-0.5B's 896)
 and each of ``--head_vocabs``, the time of forward + backward through the LM head and a loss on per-pair sums,
 chunked (``core/logprobs.py``: logits in the forward, again in the backward) vs fused (``core/fused_loss.py``:
 once), interleaved in one process, best of ``--repeats``. The head's gradients must agree.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--head_tokens", type=int, default=2048, help="part 1: labelled tokens in the row")
     parser.add_argument("--head_hidden", type=int, default=896, help="part 1: width of the LM head")
     parser.add_argument("--head_vocabs", default="32000,151936", help="part 1: comma-separated vocab sizes")
+    parser.add_argument("--head_only", action="store_true", help="part 1 only: print its table, write no docs")
+    parser.add_argument("--device", default="cpu", help="part 1: device of the head (e.g. cuda)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="part 1: dtype of the head")
     harness.add_run_args(parser, SECTION, learning_rate=5e-6)
     parser.set_defaults(steps=4, repeats=3)
     args = parser.parse_args(argv)
@@ -60,35 +65,45 @@ def head_times(args) -> list[dict]:
     from openpack.core.fused_loss import FusedLoss, fused_segment_loss
     from openpack.core.logprobs import token_logprobs
 
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for vocab in args.vocab_sizes:
         gen = torch.Generator().manual_seed(0)
-        hidden = torch.randn(args.head_tokens, args.head_hidden, generator=gen)
-        weight = torch.randn(vocab, args.head_hidden, generator=gen) * 0.02
+        hidden = torch.randn(args.head_tokens, args.head_hidden, generator=gen).to(device, dtype)
+        weight = (torch.randn(vocab, args.head_hidden, generator=gen) * 0.02).to(device, dtype)
         labels = torch.randint(0, vocab, (args.head_tokens,), generator=gen)
         segments = torch.arange(args.head_tokens) * 10 // args.head_tokens  # 5 pairs of equal length
         num_segments = 10
+        fused_loss = FusedLoss(None, labels, segments // 2)  # host-side labels and pairs, as the trainer passes
+        labels, segments = labels.to(device), segments.to(device)
 
         def loss_of(sums):  # a DPO-like loss of each pair's two sums
             return -torch.nn.functional.logsigmoid(0.1 * (sums[0::2] - sums[1::2])).sum()
 
+        fused_loss.loss_of_sums = loss_of
+
         def chunked(h, w):
             per_token = token_logprobs(h, w, labels)
-            loss_of(torch.zeros(num_segments).index_add(0, segments, per_token)).backward()
+            loss_of(torch.zeros(num_segments, device=device).index_add(0, segments, per_token)).backward()
 
         def fused(h, w):
-            loss, _ = fused_segment_loss(h, w, segments, labels, num_segments, FusedLoss(loss_of, labels, segments // 2))
+            loss, _ = fused_segment_loss(h, w, segments, labels, num_segments, fused_loss)
             loss.backward()
 
         times, grads = {arm: [] for arm in ARMS}, {}
-        for _ in range(args.repeats):
+        for _ in range(args.repeats + (device.type == "cuda")):  # on a GPU, one more: the first is warm-up
             for arm, run in (("chunked", chunked), ("fused", fused)):
                 h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                sync()
                 start = time.perf_counter()
                 run(h, w)
+                sync()
                 times[arm].append(time.perf_counter() - start)
                 grads[arm] = (h.grad, w.grad)
-        diff = max((a - b).abs().max().item() for a, b in zip(grads["chunked"], grads["fused"]))
+        if device.type == "cuda":
+            times = {arm: t[1:] for arm, t in times.items()}
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["chunked"], grads["fused"]))
         rows.append({"vocab": vocab, "times": times, "grad_diff": diff,
                      "ratio": min(times["fused"]) / min(times["chunked"])})
         print(f"  head, vocab {vocab}: chunked {min(times['chunked']):.2f} s, fused {min(times['fused']):.2f} s, "
@@ -129,7 +144,7 @@ def run_arm(args, setup: dict, run_dir: Path, env: dict, fused: bool) -> dict:
     return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
 
 
-def summarise(runs: list[dict], head: list[dict]) -> dict:
+def summarise(runs: list[dict], head: list[dict], load: list[float]) -> dict:
     per_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
     loss_diff = max(abs(a["loss"] - b["loss"]) for c, f in zip(per_arm["chunked"], per_arm["fused"])
                     for a, b in zip(c["steps"], f["steps"]))
@@ -140,6 +155,7 @@ def summarise(runs: list[dict], head: list[dict]) -> dict:
         "time_ratio": [f["step_time_s"] / c["step_time_s"] for c, f in zip(per_arm["chunked"], per_arm["fused"])],
         "max_loss_diff": loss_diff,
         "max_grad_diff": max(row["grad_diff"] for row in head),
+        "load": load,
     }
 
 
@@ -156,7 +172,7 @@ def step_table(s: dict) -> str:
     for arm in ARMS:
         lines.append(f"| {arm} | {harness.fmt_spread(s['step_time_s'][arm], '{:.2f}')} "
                      f"| {harness.fmt_spread(s['peak_rss_mb'][arm])} |")
-    lines.append(f"| **fused / chunked** | **{harness.fmt_spread(s['time_ratio'], '{:.2f}')}** | |")
+    lines.append(f"| **fused / chunked, per repeat pair** | **{harness.fmt_spread(s['time_ratio'], '{:.2f}')}** | |")
     return "\n".join(lines)
 
 
@@ -164,6 +180,8 @@ def markdown_section(args, setup: dict, s: dict, wall_s: float) -> str:
     cmd = harness.shell_command(command(args, setup, setup["work"] / "RUN_DIR", True)).replace(f"{setup['work']}/", "")
     head_ratios = [row["ratio"] for row in s["head"]]
     step = harness.spread(s["time_ratio"])[1]
+    shared = (" (other jobs shared the machine: single timings move by 10-50%, and the ratios of the best times "
+              "are the steadier figure)") if max(s["load"]) > 1.5 else ""
     verdict = (f"the fused path is faster at every vocab measured ({min(head_ratios):.2f}-{max(head_ratios):.2f}x "
                "the chunked head's time)" if max(head_ratios) < 1 else
                f"the fused path is not faster at every vocab ({min(head_ratios):.2f}-{max(head_ratios):.2f}x the "
@@ -174,7 +192,8 @@ def markdown_section(args, setup: dict, s: dict, wall_s: float) -> str:
 python benchmarks/fused_loss.py {args.given}
 ```
 
-Machine: {harness.machine_description()}. The script took {wall_s:.0f} s; {args.threads} thread(s).
+Machine: {harness.machine_description()}. The script took {wall_s:.0f} s; {args.threads} thread(s); load average
+(1 min) {s['load'][0]:.1f} at the start and {s['load'][1]:.1f} at the end{shared}.
 
 **The head alone**: one row of {args.head_tokens} labelled tokens, width {args.head_hidden}, fp32, 5 pairs of
 equal length, forward + backward of a DPO-like loss of each pair's two sums into the hidden states and the head;
@@ -197,7 +216,7 @@ gradients agree to {s['max_grad_diff']:.1e}.
 The two arms give the same run: the largest per-step loss difference is {s['max_loss_diff']:.1e}.
 On this machine {verdict}: the chunked head computes each chunk's logits twice (four vocabulary-sized
 matmuls per token), the fused one once (three), and makes one pass of exp fewer. A whole step gains
-less ({step:.2f}x the chunked step's time), since the layers, the reference's forward and the optimizer
+less ({step:.2f}x the chunked step's time, the median over repeat pairs), since the layers, the reference's forward and the optimizer
 do not change. Memory is the same by construction (one chunk of logits at a time, the head's fp32 gradient
 made in the forward instead of the backward). The fused chunk holds whole pairs, so a pair longer than
 the chunk budget (2^26 logits, 441 tokens at vocab 152k) makes a larger chunk. It is not the default: it covers
@@ -206,8 +225,13 @@ SFT and the DPO family (a loss of per-segment sums), not reward models (no LM he
 
 
 def benchmark(args, work: Path) -> int:
-    started = time.perf_counter()
-    head = head_times(args)
+    started, load = time.perf_counter(), [os.getloadavg()[0]]
+    if args.head_only:
+        head = head_times(args)
+        print(f"{args.head_tokens} tokens, width {args.head_hidden}, {args.dtype} on {args.device}")
+        print(head_table({"head": head}))
+        (work / "results.json").write_text(json.dumps({"head": head}, indent=1))
+        return 0
     setup = prepare(args, work)
     print(f"model: {setup['model'].describe()}")
     env = harness.subprocess_env(args.threads)
@@ -215,8 +239,11 @@ def benchmark(args, work: Path) -> int:
         arm: (lambda repeat, arm=arm: run_arm(args, setup, work / f"{arm}_{repeat}", env, arm == "fused"))
         for arm in ARMS
     }, args.repeats)
-    summary = summarise(runs, head)
+    # The head part after the runs: a child started by vfork + exec inherits this process's peak RSS as its own
+    # ru_maxrss, so gigabytes of head tensors here would show up as every run's peak.
+    head = head_times(args)
     wall_s = time.perf_counter() - started
+    summary = summarise(runs, head, load + [os.getloadavg()[0]])
     print(head_table(summary))
     print(step_table(summary))
     print(f"largest per-step loss difference {summary['max_loss_diff']:.1e}; wall time {wall_s:.0f} s")

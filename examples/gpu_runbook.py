@@ -28,7 +28,10 @@ Sections, each recorded whatever the others did (a failure is a result):
    DPOTrainer (its defaults: 8 pairs per micro-batch, padded), on a
    Qwen2.5-0.5B-shaped model built from a config (random init, bf16), pairs
    from the ANCHORS length mix;
-5. MFU: ``benchmarks/gpu_mfu.py`` (packed vs padded, 0.5B and 1.5B shapes).
+5. MFU: ``benchmarks/gpu_mfu.py`` (packed vs padded, 0.5B and 1.5B shapes);
+6. ``--fused_loss``: the LM head alone, chunked vs fused, bf16, 8192 tokens at width 896, vocab 32000 and
+   151936 (``benchmarks/fused_loss.py --head_only``): kept as an option because it wins on CPU; this says
+   whether it does on a GPU.
 
 Only three files come back (the device returns at most 8): ``verification_block.md``, ``runbook.log`` (every
 command's output) and ``results.json``. A section that would start after ``--budget_s`` is skipped, with a line
@@ -271,6 +274,18 @@ def mfu(book: Runbook) -> list[str]:
                                                                             "no table (see runbook.log)."]
 
 
+def fused_loss(book: Runbook) -> list[str]:
+    sizes = ["--head_tokens", "256", "--head_hidden", "64", "--head_vocabs", "4096"] if book.dry_run else [
+        "--head_tokens", "8192", "--head_hidden", "896", "--head_vocabs", "32000,151936"]
+    argv = [sys.executable, "benchmarks/fused_loss.py", "--head_only", "--device", "cpu" if book.dry_run else "cuda",
+            "--dtype", "bfloat16", "--repeats", "3", *sizes]
+    code, output = book.command("fused_loss", argv, 240)
+    book.results["fused_loss"] = {"exit": code}
+    table = [line for line in output.splitlines() if line.startswith("|")]
+    return [f"`{' '.join(argv[1:])}` (exit {code}):", "", *table] if table else [
+        f"`{' '.join(argv[1:])}` exit {code}: no table (see runbook.log)."]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runbook_out")),
@@ -295,6 +310,7 @@ def main(argv=None) -> int:
         trl_settings = (args.trl_size, 5, 32, 1)
     book.section("DPO tokens/s: openpack vs TRL", lambda: dpo_vs_trl(book, *trl_settings))
     book.section("MFU: packed vs padded DPO (benchmarks/gpu_mfu.py)", lambda: mfu(book))
+    book.section("Fused LM head + loss vs chunked (benchmarks/fused_loss.py --head_only)", lambda: fused_loss(book))
     book.write()
     block = (args.out / "verification_block.md").read_text()
     print(block)
