@@ -133,7 +133,8 @@ class PackedBatch:
 
     input_ids, position_ids, labels: [1, T] int64; loss_mask: [1, T] bool;
     segment_ids: [T] int64; cu_seqlens: [S + 1] int32; max_seqlen: int;
-    sample_index, role: [S] int64. With prefix sharing only: label_source
+    sample_index, role: [S] int64. ``label_positions`` [N] int64: where the
+    labels are, in the flattened row (found on the host by ``to``). With prefix sharing only: label_source
     [T] int64 (``labels[t]`` is predicted from hidden state ``label_source[t]``;
     None means from t itself) and ``shared_prefix``.
     """
@@ -149,6 +150,7 @@ class PackedBatch:
     role: torch.Tensor
     label_source: torch.Tensor | None = None
     shared_prefix: SharedPrefix | None = None
+    label_positions: torch.Tensor | None = None  # set by ``to``: see ``moved_to``
 
     @property
     def num_tokens(self) -> int:
@@ -205,10 +207,25 @@ def last_token_index(batch, skip_token_id: int | None = None) -> torch.Tensor:
 
 
 def moved_to(batch, device):
-    """A copy of a batch dataclass with every tensor field on ``device`` (other fields as they are)."""
+    """A copy of a batch dataclass with every tensor field on ``device`` (other fields as they are).
+
+    Nothing here waits for a GPU: copies to it are asynchronous (``host_to_device``), and a batch still on
+    the host gets its ``label_positions`` found there, so no one has to ask the GPU where its labels are
+    (``nonzero`` on a CUDA tensor waits for every queued kernel).
+    """
     values = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    movable = (torch.Tensor, SharedPrefix)
-    return type(batch)(**{k: v.to(device) if isinstance(v, movable) else v for k, v in values.items()})
+    if "label_positions" in values and values["label_positions"] is None and values["labels"].device.type == "cpu":
+        values["label_positions"] = (values["labels"].reshape(-1) != IGNORE_INDEX).nonzero()[:, 0]
+    return type(batch)(**{k: v.to(device) if isinstance(v, SharedPrefix) else
+                          host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+
+
+def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor.to(device)``; from the host to a GPU through pinned memory, asynchronously: a copy from pageable
+    memory would block the host until every kernel queued before it has run."""
+    if tensor.device.type == "cpu" and torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def shifted_labels(segment: Segment) -> list[int]:
@@ -344,6 +361,7 @@ class PaddedBatch:
     loss_mask: torch.Tensor
     sample_index: torch.Tensor
     role: torch.Tensor
+    label_positions: torch.Tensor | None = None  # set by ``to``: see ``moved_to``
 
     @property
     def num_segments(self) -> int:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from openpack.core.batch import IGNORE_INDEX
+from openpack.core.batch import IGNORE_INDEX, host_to_device
 from openpack.core.logprobs import default_chunk_tokens
 
 
@@ -126,7 +126,7 @@ def fused_segment_loss(hidden: torch.Tensor, weight: torch.Tensor, segment_ids: 
     """
     positions, chunks = plan_fused_chunks(fused.labels, fused.groups,
                                           chunk_tokens or default_chunk_tokens(weight.shape[0]))
-    positions = positions.to(hidden.device)
+    positions = host_to_device(positions, hidden.device)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     rows = positions if sources is None else sources.reshape(-1)[positions]
     return _FusedSegmentLoss.apply(hidden[rows], weight, labels.reshape(-1)[positions],

@@ -98,6 +98,7 @@ def token_logprobs(
     chunk_tokens: int | None = None,
     entropy: torch.Tensor | None = None,
     sources: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-prob of each label under ``softmax(hidden @ weight.T)``.
 
@@ -107,12 +108,14 @@ def token_logprobs(
     entropy of each labelled position's distribution (0.0 elsewhere), a
     metric computed from the logits chunk already in memory: no gradient, no
     second projection. ``sources`` ([T] int64, prefix sharing: ``PackedBatch.label_source``) names the
-    hidden row each label is predicted from; None: its own row.
+    hidden row each label is predicted from; None: its own row. ``positions`` ([N] int64, optional:
+    ``PackedBatch.label_positions``) are where the labels are, found on the host; None: found here.
     """
     labels = labels.reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
-    positions = (labels != IGNORE_INDEX).nonzero()[:, 0]
+    if positions is None:
+        positions = (labels != IGNORE_INDEX).nonzero()[:, 0]
     picked_entropy = None if entropy is None else torch.zeros(positions.numel(), device=hidden.device)
     rows = positions if sources is None else sources.reshape(-1)[positions]
     picked = _ChunkedLabelLogprobs.apply(hidden[rows], weight, labels[positions], chunk_tokens, picked_entropy)

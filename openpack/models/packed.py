@@ -59,7 +59,7 @@ def packed_token_logprobs(model, batch: PackedBatch, chunk_tokens: int | None = 
     ``core.logprobs.token_logprobs``)."""
     weight = lm_head_weight(model)
     return token_logprobs(packed_forward(model, batch), weight, batch.labels[0], chunk_tokens, entropy,
-                          batch.label_source)
+                          batch.label_source, batch.label_positions)
 
 
 def padded_token_logprobs(model, batch: PaddedBatch, chunk_tokens: int | None = None,
@@ -67,7 +67,8 @@ def padded_token_logprobs(model, batch: PaddedBatch, chunk_tokens: int | None = 
     """The unpacked baseline: [B * L] fp32 log-probs of right-padded rows (plain SDPA with a padding mask)."""
     weight = lm_head_weight(model)
     output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    return token_logprobs(output.last_hidden_state, weight, batch.labels.reshape(-1), chunk_tokens, entropy)
+    return token_logprobs(output.last_hidden_state, weight, batch.labels.reshape(-1), chunk_tokens, entropy,
+                          positions=batch.label_positions)
 
 
 def fused_batch_loss(model, batch: PackedBatch | PaddedBatch, fused: FusedLoss,

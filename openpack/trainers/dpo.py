@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openpack.core.batch import host_to_device
 from openpack.core.fused_loss import FusedLoss
 from openpack.core.logprobs import pair_segments, segment_label_counts, segment_logprobs
 from openpack.core.losses import LossParams, PairLogps, implicit_rewards, pair_losses
@@ -49,8 +50,8 @@ class PairTable:
 
     def __init__(self, batch, device):
         _, chosen, rejected = pair_segments(batch)
-        self.chosen, self.rejected = chosen.to(device), rejected.to(device)
-        self.counts = segment_label_counts(batch, device)
+        self.chosen, self.rejected = host_to_device(chosen, device), host_to_device(rejected, device)
+        self.counts = host_to_device(segment_label_counts(batch), device)
 
     def logps(self, sums: torch.Tensor, ref_sums: torch.Tensor | None) -> PairLogps:
         """Per-pair sums (and token counts), policy and reference (None: reference-free)."""

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from openpack.core.logprobs import pair_values
+from openpack.core.batch import host_to_device
+from openpack.core.logprobs import pair_segments
 from openpack.core.reward_losses import reward_pair_losses
 from openpack.core.schedule import RankStep
 from openpack.distributed.engine import optimizer_step
@@ -53,9 +54,11 @@ def rm_step(engine, batcher: MicroBatcher, objective: RewardObjective, step: Ran
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
+        ids, chosen_segments, rejected_segments = (host_to_device(t, dist.device) for t in pair_segments(batch))
         batch = batch.to(dist.device)
-        ids, chosen, rejected = pair_values(batch, engine(batch))  # one reward per segment -> per pair
-        margin = None if margins is None else margins[ids].to(chosen.device)
+        rewards = engine(batch)  # one reward per segment -> per pair, found on the host
+        chosen, rejected = rewards[chosen_segments], rewards[rejected_segments]
+        margin = None if margins is None else margins[ids]
         losses = reward_pair_losses(chosen, rejected, objective.loss, margin, objective.center_rewards_coefficient)
         engine.backward(losses.sum() * dist.world_size / pairs)
         grad_norm = optimizer_step(engine) if last else engine.step()

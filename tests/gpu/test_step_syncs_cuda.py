@@ -11,8 +11,9 @@ not counted here, the CPU test counts its host reads). Asserted: inside the
 step, the trainers' own files (``openpack/trainers/``) sync as often with 4
 micro-batches as with 1, and reading a step's metrics syncs once. Printed
 (``-s``; the GPU runbook keeps it): every sync by file and line, the
-library parts' per-micro-batch ones included (a batch's copy to the device,
-``pair_values``' boolean masks), for docs/verification.md.
+library parts' per-micro-batch ones included (none expected from a batch's copy
+to the device, pinned and asynchronous, or from finding labels and pairs, done on
+the host; PPO's boolean masks and RM's last-token check remain), for docs/verification.md.
 
 Run on a GPU machine: ``python -m pytest tests/gpu -q -s``.
 """

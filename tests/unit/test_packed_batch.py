@@ -42,3 +42,24 @@ def test_attention_kwargs_carry_explicit_cu_seqlens():
     batch = collate_packed([Segment([1, 2], [True, True], 0), Segment([3], [True], 1)])
     kwargs = batch.attention_kwargs()
     assert kwargs["cu_seq_lens_q"].tolist() == [0, 2, 3] and kwargs["max_length_q"] == 2
+
+
+def test_moving_a_batch_finds_its_label_positions_on_the_host():
+    """``to`` records where the labels are (found on the host: ``nonzero`` on a GPU would wait for its queue), for
+    packed rows, padded rows and prefix-shared rows alike; the log-probs read there equal the ones found anew."""
+    from openpack.core.batch import PROMPT, collate_padded
+    from openpack.core.logprobs import token_logprobs
+
+    segments = [Segment([5, 6, 7, 8], [False, False, True, True], 0), Segment([9, 10, 11], [False, True, True], 1)]
+    shared = [Segment([5, 6], [False, False], 0, PROMPT), Segment([7, 8], [True, True], 0, CHOSEN, after_prompt=True),
+              Segment([9], [True], 0, REJECTED, after_prompt=True)]
+    for batch in (collate_packed(segments), collate_padded(segments), collate_packed(shared)):
+        assert batch.label_positions is None
+        moved = batch.to("cpu")
+        flat = batch.labels.reshape(-1)
+        assert moved.label_positions.tolist() == (flat != IGNORE_INDEX).nonzero()[:, 0].tolist()
+        hidden, weight = torch.randn(flat.numel(), 4), torch.randn(12, 4)
+        sources = getattr(batch, "label_source", None)
+        torch.testing.assert_close(token_logprobs(hidden, weight, flat, sources=sources,
+                                                  positions=moved.label_positions),
+                                   token_logprobs(hidden, weight, flat, sources=sources))
