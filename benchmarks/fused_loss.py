@@ -180,6 +180,9 @@ def markdown_section(args, setup: dict, s: dict, wall_s: float) -> str:
     cmd = harness.shell_command(command(args, setup, setup["work"] / "RUN_DIR", True)).replace(f"{setup['work']}/", "")
     head_ratios = [row["ratio"] for row in s["head"]]
     step = harness.spread(s["time_ratio"])[1]
+    rss = {arm: harness.spread(values)[1] for arm, values in s["peak_rss_mb"].items()}
+    rss_change = rss["fused"] / rss["chunked"] - 1
+    head_mb = setup["model"].vocab_size * setup["model"].hidden_size * 4 / 2**20
     shared = (" (other jobs shared the machine: single timings move by 10-50%, and the ratios of the best times "
               "are the steadier figure)") if max(s["load"]) > 1.5 else ""
     verdict = (f"the fused path is faster at every vocab measured ({min(head_ratios):.2f}-{max(head_ratios):.2f}x "
@@ -217,8 +220,9 @@ The two arms give the same run: the largest per-step loss difference is {s['max_
 On this machine {verdict}: the chunked head computes each chunk's logits twice (four vocabulary-sized
 matmuls per token), the fused one once (three), and makes one pass of exp fewer. A whole step gains
 less ({step:.2f}x the chunked step's time, the median over repeat pairs), since the layers, the reference's forward and the optimizer
-do not change. Memory is the same by construction (one chunk of logits at a time, the head's fp32 gradient
-made in the forward instead of the backward). The fused chunk holds whole pairs, so a pair longer than
+do not change. Peak RSS: {rss['fused']:.0f} MiB fused vs {rss['chunked']:.0f} chunked (medians, {rss_change:+.1%}):
+both hold one chunk of logits at a time, but the fused head makes its fp32 gradient
+({head_mb:.0f} MiB here) during the forward instead of the backward. The fused chunk holds whole pairs, so a pair longer than
 the chunk budget (2^26 logits, 441 tokens at vocab 152k) makes a larger chunk. It is not the default: it covers
 SFT and the DPO family (a loss of per-segment sums), not reward models (no LM head) or online RL.
 """
