@@ -104,7 +104,7 @@ def head_times(args) -> list[dict]:
         if device.type == "cuda":
             times = {arm: t[1:] for arm, t in times.items()}
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["chunked"], grads["fused"]))
-        rows.append({"vocab": vocab, "times": times, "grad_diff": diff,
+        rows.append({"vocab": vocab, "times": times, "grad_diff": diff, "threads": torch.get_num_threads(),
                      "ratio": min(times["fused"]) / min(times["chunked"])})
         print(f"  head, vocab {vocab}: chunked {min(times['chunked']):.2f} s, fused {min(times['fused']):.2f} s, "
               f"ratio {rows[-1]['ratio']:.3f}, gradient difference {diff:.1e}", flush=True)
@@ -156,6 +156,7 @@ def summarise(runs: list[dict], head: list[dict], load: list[float]) -> dict:
         "max_loss_diff": loss_diff,
         "max_grad_diff": max(row["grad_diff"] for row in head),
         "load": load,
+        "head_threads": head[0]["threads"],
     }
 
 
@@ -183,8 +184,6 @@ def markdown_section(args, setup: dict, s: dict, wall_s: float) -> str:
     rss = {arm: harness.spread(values)[1] for arm, values in s["peak_rss_mb"].items()}
     rss_change = rss["fused"] / rss["chunked"] - 1
     head_mb = setup["model"].vocab_size * setup["model"].hidden_size * 4 / 2**20
-    shared = (" (other jobs shared the machine: single timings move by 10-50%, and the ratios of the best times "
-              "are the steadier figure)") if max(s["load"]) > 1.5 else ""
     verdict = (f"the fused path is faster at every vocab measured ({min(head_ratios):.2f}-{max(head_ratios):.2f}x "
                "the chunked head's time)" if max(head_ratios) < 1 else
                f"the fused path is not faster at every vocab ({min(head_ratios):.2f}-{max(head_ratios):.2f}x the "
@@ -195,8 +194,9 @@ def markdown_section(args, setup: dict, s: dict, wall_s: float) -> str:
 python benchmarks/fused_loss.py {args.given}
 ```
 
-Machine: {harness.machine_description()}. The script took {wall_s:.0f} s; {args.threads} thread(s); load average
-(1 min) {s['load'][0]:.1f} at the start and {s['load'][1]:.1f} at the end{shared}.
+Machine: {harness.machine_description()}. The script took {wall_s:.0f} s; {args.threads} thread(s) in each DPO run
+(`--threads`), torch's default of {s['head_threads']} in the head part, which runs in the script's own process; load
+average (1 min) {s['load'][0]:.1f} at the start and {s['load'][1]:.1f} at the end.
 
 **The head alone**: one row of {args.head_tokens} labelled tokens, width {args.head_hidden}, fp32, 5 pairs of
 equal length, forward + backward of a DPO-like loss of each pair's two sums into the hidden states and the head;
