@@ -7,7 +7,7 @@ is non-zero), the same 8 plain-text pairs, fp32 on CPU:
   fused LM head and ``compute_loss``) on copies of the two models with eager
   attention, one batch holding all 8 pairs in row order; its gradient.
 * openpack: ``tokenize_pairs`` -> ``PreferencePair.segments`` -> the policy
-  (openpack's varlen attention) through ``PackedCausalLM`` -> ``pair_logps``
+  (openpack's varlen attention) through ``PackedCausalLM`` -> ``PairTable.logps``
   with a ``ModelReference`` -> ``pair_losses`` -> backward, in three layouts:
 
   - ``packed``: all 16 segments in one packed row (in a scrambled order, so the
@@ -38,13 +38,14 @@ import pytest
 import torch
 
 from openpack.core.batch import CHOSEN, collate_packed, collate_padded
+from openpack.core.logprobs import segment_logprobs
 from openpack.core.losses import PAIR_LOSSES, LossParams, needs_reference, pair_losses
 from openpack.data.demo_tokenizer import build_demo_tokenizer
 from openpack.data.loading import Rows
 from openpack.data.preference import tokenize_pairs
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm
-from openpack.trainers.dpo import pair_logps
+from openpack.trainers.dpo import PairTable
 from openpack.trainers.reference import ModelReference
 
 MAX_LENGTH = 128  # longer than any sequence below: nothing is truncated on either side
@@ -178,7 +179,8 @@ def openpack_forward(setup, layout: str):
             half = len(segments) // 2
             micro_batches = [collate_packed(segments[:half]), collate_packed(segments[half:])]
         engine = PackedCausalLM(setup["policy"]).train()
-        logps = [pair_logps(batch, engine(batch), setup["ref_scorer"]) for batch in micro_batches]
+        logps = [PairTable(batch, "cpu").logps(segment_logprobs(batch, engine(batch)).sum,
+                                               setup["ref_scorer"].segment_sums(batch)) for batch in micro_batches]
         assert sum(x.chosen.numel() for x in logps) == NUM_PAIRS
         setup["forwards"][layout] = logps
     return setup["forwards"][layout]
