@@ -387,6 +387,13 @@ def add_run_args(parser, section: str, learning_rate: float) -> None:
     parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
 
 
+def given_flags(argv=None) -> str:
+    """The flags a benchmark was run with, for the command its docs section shows (``--out DIR`` left out: a
+    work folder of this machine)."""
+    given = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(w for i, w in enumerate(given) if w != "--out" and (i == 0 or given[i - 1] != "--out"))
+
+
 def apply_smoke(args) -> None:
     """--smoke: a tiny model and data, 2 steps, 1 repeat."""
     args.steps, args.repeats, args.scale = 2, 1, 16

@@ -66,8 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     harness.add_run_args(parser, SECTION, learning_rate=5e-6)
     parser.set_defaults(vocab=1024, steps=4)
     args = parser.parse_args(argv)
-    given = sys.argv[1:] if argv is None else list(argv)
-    args.given = " ".join(w for i, w in enumerate(given) if w != "--out" and (i == 0 or given[i - 1] != "--out"))
+    args.given = harness.given_flags(argv)
     if args.smoke:
         args.pairs_per_step = 8
         harness.apply_smoke(args)
