@@ -81,7 +81,7 @@ def test_sigterm_stops_a_local_run_like_ctrl_c(tmp_path, tiny_pretrain, sft_json
     """Before: Python's default SIGTERM killed the process where it stood (exit -15, no message)."""
     driver = subprocess.Popen([sys.executable, "-m", "openpack.cli.main", "train_sft", "--pretrain", tiny_pretrain,
                                "--dataset", sft_jsonl, "--save_path", str(tmp_path / "run"), *FLAGS,
-                               "--max_epochs", "100000", "--launcher", "local"],
+                               "--max_epochs", "1000", "--launcher", "local"],  # 6000 steps (not 100000 epochs: 30 s of planning)
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     lines = []
     for line in driver.stdout:
