@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     from openpack.trainers.dpo_worker import build_reference, plan_dpo, run_dpo
 
     try:
-        with own_save_path(out_cfg, launched_by_environment()):  # lock + claim --save_path before the demo model
+        with own_save_path(out_cfg, launched_by_environment()):  # lock; refuse a taken --save_path
             demo_model = demo_sft_model(launch_cfg, train_cfg.seed) if model_cfg.pretrain is None else None
             group = None
             if dpo_cfg.ref_num_nodes:

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from openpack.trainers.rm_worker import plan_rm, run_rm
 
     try:
-        with own_save_path(out_cfg, launched_by_environment()):  # lock + claim --save_path before the demo model
+        with own_save_path(out_cfg, launched_by_environment()):  # lock; refuse a taken --save_path
             demo_model = demo_sft_model(launch_cfg, train_cfg.seed) if model_cfg.pretrain is None else None
             planner = functools.partial(plan_rm, *configs[:5], demo_model=demo_model)
             return launch(run_rm, configs[:-1], {"demo_model": demo_model,

@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     from openpack.trainers.sft_worker import plan_sft, run_sft
 
     try:
-        with own_save_path(configs[3], launched_by_environment()):  # lock + claim --save_path before anything starts
+        with own_save_path(configs[3], launched_by_environment()):  # lock; refuse a taken --save_path
             return launch(run_sft, configs[:-1], {"save_config": functools.partial(save_all, configs)}, configs,
                           functools.partial(plan_sft, *configs[:4]))
     except (DataError, ModelLoadError, CheckpointError) as err:

@@ -13,6 +13,18 @@ folder overwrote each other without a word (issue 12). Now:
   ``--overwrite`` (delete its checkpoints and model, start anew). A folder
   whose run left neither (it stopped before its first checkpoint) is taken
   over with a notice: there is nothing in it to lose.
+* The refusal is checked early, the claim is made late. The CLI checks
+  (``check_free``) right after taking the lock, before a demo model trains or
+  the data is planned; the claim itself (``claim``: write ``run.json``, and
+  under ``--overwrite`` delete the old run's files) is made by the worker's
+  rank 0 in ``TrainingRun``, after the model, the data and the engine are
+  ready, so after every check. A run refused anywhere before that (a bad row,
+  a model that does not load, an unreachable cluster) leaves the folder as it
+  found it: before, its ``run.json`` made the next run report that the folder
+  "belonged to run ..., which left no checkpoint or model" (issue 23), and a
+  refused ``--overwrite`` run had already deleted the old run's checkpoints.
+  The lock is held from the check to the end of the run, so nothing changes
+  in between.
 * The process that lives for the whole run (the CLI driver, also under
   ``--launcher local``; under torchrun or the deepspeed launcher, global rank
   0) holds ``run.lock`` (pid, host, start time) from before anything starts
@@ -138,11 +150,25 @@ def _new_record(run_id: str | None = None) -> RunRecord:
     return RunRecord(run_id or uuid.uuid4().hex[:12], _now(), socket.gethostname())
 
 
+def check_free(save_path, ckpt_dir, resume: bool, overwrite: bool) -> None:
+    """Refuse a fresh run into a folder that holds another run's checkpoints or model (``SavePathTaken``).
+
+    Reads only: the CLI calls it under the lock before anything starts, ``claim`` again when it claims.
+    """
+    save_path, ckpt_dir = Path(save_path), Path(ckpt_dir)
+    if resume or overwrite:
+        return
+    tags, model = checkpoint_tags(ckpt_dir), save_path / "model"
+    if tags or model.is_dir():
+        raise SavePathTaken(_taken_message(save_path, ckpt_dir, read_run(save_path), tags, model.is_dir()))
+
+
 def claim(save_path, ckpt_dir, resume: bool, overwrite: bool, say=print) -> RunRecord:
     """Make ``save_path`` this run's (see the module docstring); returns its record.
 
     ``resume`` adopts the run that is there (its run id; a folder without ``run.json`` takes the id of
     its newest checkpoint). ``overwrite`` is for a fresh run only: with ``resume`` it is ignored.
+    Called once every check has passed (``TrainingRun``), as it writes and, under ``overwrite``, deletes.
     """
     save_path, ckpt_dir = Path(save_path), Path(ckpt_dir)
     record = read_run(save_path)
@@ -152,10 +178,9 @@ def claim(save_path, ckpt_dir, resume: bool, overwrite: bool, say=print) -> RunR
             record = _new_record(checkpoint_run_id(ckpt_dir / tags[-1]) if tags else None)
             _write_run(save_path, record)
         return record
+    check_free(save_path, ckpt_dir, resume, overwrite)
     tags, model = checkpoint_tags(ckpt_dir), save_path / "model"
-    if (tags or model.is_dir()) and not overwrite:
-        raise SavePathTaken(_taken_message(save_path, ckpt_dir, record, tags, model.is_dir()))
-    if overwrite and (tags or model.is_dir()):
+    if tags or model.is_dir():  # only under overwrite, after check_free
         _clear(ckpt_dir, tags, model)
         say(f"openpack: --overwrite: deleted the checkpoints ({', '.join(tags) or 'none'}) and model of "
             f"{record.describe() if record else 'the run'} in {save_path}")
@@ -188,11 +213,6 @@ def _clear(ckpt_dir: Path, tags: list[str], model: Path) -> None:
 def _write_run(save_path: Path, record: RunRecord) -> None:
     save_path.mkdir(parents=True, exist_ok=True)
     write_text_atomic(save_path / RUN_FILE, json.dumps(asdict(record), indent=1) + "\n")
-
-
-def current_run(save_path, ckpt_dir, resume: bool, overwrite: bool, say=print) -> RunRecord:
-    """The record the CLI claimed; a caller that skipped the CLI (a script calling a worker) claims it here."""
-    return read_run(save_path) or claim(save_path, ckpt_dir, resume, overwrite, say)
 
 
 # ---------------------------------------------------------------------------------------------- the lock
@@ -305,14 +325,16 @@ def locked(save_path, say=print):
 
 @contextlib.contextmanager
 def own_save_path(out_cfg, launched_by_environment: bool, say=print):
-    """The CLI's hold on ``--save_path`` for the whole run: lock it, then claim it for this run.
+    """The CLI's hold on ``--save_path`` for the whole run: lock it, then refuse it if another run's files are there.
 
-    Under torchrun or the deepspeed launcher every process runs the CLI; global rank 0 alone takes the
-    lock and claims (the other ranks learn the run id from it, see ``trainers/run.py``).
+    It does not claim: the worker's rank 0 does, once every check has passed (module docstring), so a run
+    refused before then leaves no ``run.json`` and deletes nothing. Under torchrun or the deepspeed launcher
+    every process runs the CLI; global rank 0 alone takes the lock and checks.
     """
     if launched_by_environment and os.environ.get("RANK", "0") != "0":
-        yield None
+        yield
         return
     with locked(out_cfg.save_path, say):
-        yield claim(out_cfg.save_path, checkpoint_dir(out_cfg.save_path, out_cfg.ckpt_path), resumes(out_cfg),
-                    getattr(out_cfg, "overwrite", False), say)
+        check_free(out_cfg.save_path, checkpoint_dir(out_cfg.save_path, out_cfg.ckpt_path), resumes(out_cfg),
+                   getattr(out_cfg, "overwrite", False))
+        yield

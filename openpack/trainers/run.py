@@ -12,7 +12,7 @@ model in ``<save_path>/model``.
 A resume continues the checkpoint's run exactly or not at all: the checkpoint
 is verified against its manifest, then its world size and the digests of the
 steps it took are compared with this run's plan (``check_resumable``), all
-before DeepSpeed loads it. The run id (``run.json``, claimed by the CLI)
+before DeepSpeed loads it. The run id (``run.json``, claimed here once every check has passed)
 stamps every checkpoint, so pruning never deletes another run's.
 """
 
@@ -35,7 +35,7 @@ from openpack.distributed.checkpoint import (RunState, check_resumable, decided_
                                              open_checkpoint, save_checkpoint, save_hf_model)
 from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine
 from openpack.distributed.process import DistInfo, init_distributed
-from openpack.distributed.save_path import checkpoint_dir, current_run, resumes, tag_step
+from openpack.distributed.save_path import checkpoint_dir, claim, resumes, tag_step
 from openpack.models.attention import set_attention_backend
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers.batching import batching
@@ -121,11 +121,13 @@ class TrainingRun:
         self.engine = create_engine(module or PackedCausalLM(model), optim_config(train_cfg, optimizer_steps or steps),
                                     zero_config(model_cfg), dist.world_size)
         self.ckpt_path = checkpoint_dir(self.save_path, out_cfg.ckpt_path)
-        self.run_id = decided_by_main(
-            lambda: current_run(self.save_path, self.ckpt_path, resumes(out_cfg), out_cfg.overwrite).run_id)
+        self.notices: list[str] = []  # shown once the tracker (the console of rank 0) exists
+        # The claim comes here, after the model, the data and the engine: a run refused by any check leaves
+        # no run.json behind (issue 23). The CLI already refused a folder holding another run's files.
+        self.run_id = decided_by_main(lambda: claim(self.save_path, self.ckpt_path, resumes(out_cfg),
+                                                    out_cfg.overwrite, say=self.notices.append).run_id)
         pending = self.save_path / ".config.yaml.new"  # becomes config.yaml once a resume is known to be exact
         self.config = self._effective_config(save_config, pending)
-        self.notices: list[str] = []  # shown once the tracker (the console of rank 0) exists
         try:
             self.position = self._resume() if resumes(out_cfg) else Position()
         except BaseException:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from openpack.distributed.save_path import (LOCK_FILE, RUN_FILE, SavePathLocked, SavePathTaken, claim, locked,
-                                            read_run)
+from openpack.distributed.save_path import (LOCK_FILE, RUN_FILE, SavePathLocked, SavePathTaken, check_free, claim,
+                                            locked, read_run)
 
 
 def lock_of(pid, host=None):
@@ -39,6 +39,19 @@ def test_a_fresh_run_into_another_runs_checkpoints_is_refused_with_the_three_way
     for way in ("--load_checkpoint", "another --save_path", "--overwrite"):
         assert way in message
     assert (ckpt / "global_step6").is_dir()  # refused: nothing touched
+
+
+def test_the_early_check_refuses_as_the_claim_does_but_writes_and_deletes_nothing(tmp_path):
+    """The CLI checks before anything starts and the worker claims after every check (issue 23): the check alone
+    must leave a folder as it found it, --overwrite included."""
+    ckpt = tmp_path / "checkpoints"
+    fake_checkpoint(ckpt, 6)
+    with pytest.raises(SavePathTaken, match="global_step6"):
+        check_free(tmp_path, ckpt, resume=False, overwrite=False)
+    check_free(tmp_path, ckpt, resume=False, overwrite=True)
+    check_free(tmp_path / "empty", tmp_path / "empty" / "checkpoints", resume=False, overwrite=False)
+    assert (ckpt / "global_step6").is_dir() and not (tmp_path / RUN_FILE).exists()
+    assert not (tmp_path / "empty").exists()
 
 
 def test_a_final_model_alone_also_belongs_to_its_run(tmp_path):
