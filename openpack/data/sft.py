@@ -37,9 +37,11 @@ the ids and masks with ``SFTTrainer``'s, token for token):
   once about such rows; so do we.
 * **Conversations.** ``apply_chat_template(return_assistant_tokens_mask=True)``:
   the spans the template wraps in ``{% generation %}`` are the targets. A
-  template without those markers is an error under ``assistant`` (TRL swaps
-  in a patched template of its own for the model families it knows; we do
-  not guess): pass ``--conversation_loss all`` or a template with markers.
+  template without those markers (TRL swaps in a patched template of its own
+  for the model families it knows; we do not guess) has its assistant turns
+  found by rendering prefixes (``assistant_targets_by_prefix``): each turn's
+  content and end-of-turn token are targets; a template whose earlier turns
+  change with later ones is an error naming the row.
 * **Truncation** (``keep_start``): the first ``--max_len`` tokens; a sample
   with no target left is dropped and counted, as TRL drops fully masked rows.
 
@@ -52,7 +54,10 @@ per kind of row), so the Rust tokenizer does the work rather than a Python
 loop; the prompt is tokenized twice, alone and with its response, the price
 of TRL's boundary rule. Measured on 2 (busy) CPU cores with the demo
 tokenizer: 10k rows of a 60- and an 80-character turn take 1.8-2.1 s in
-every format (the old separate tokenization: 1.5-2.0 s).
+every format (the old separate tokenization: 1.5-2.0 s). Finding assistant
+turns by prefixes renders and tokenizes 1 + 2n texts for n turns: 10k
+two-turn conversations (~450 tokens) take 13-14 s, against 5.2-5.3 s with
+``{% generation %}`` markers (same busy cores).
 """
 
 from __future__ import annotations
@@ -171,8 +176,9 @@ def tokenize_sft(
             samples.append(sample)
     if prompt_tails and warn:
         logger.warning("%d samples: the tokenized prompt is not a prefix of prompt+response (a BPE merge or the chat "
-                       "template); the response starts where they differ and the prompt's tail is left out, as TRL "
-                       "does", prompt_tails)
+                       "template; in a conversation, of an assistant turn's generation prompt and the turn); the "
+                       "response starts where they differ and the prompt's tail is left out, as TRL does",
+                       prompt_tails)
     if not samples:
         raise _nothing_left(len(rows), max_len, keys, report)
     return samples, report
@@ -313,14 +319,15 @@ def _chat_texts(tokenizer, prompt: list, response: list, source: str) -> tuple[s
 
 
 def _encode(tokenizer, formatted: list[_Formatted], loss: str) -> list:
-    """Per row: (prompt ids, whole ids) of a pair, (ids, targets) of a conversation, or its DataError."""
+    """Per row: ("pair", prompt ids, whole ids, None), ("conversation", ids, targets, first target merged with its
+    prompt), or the row's DataError."""
     encoded: list = [None] * len(formatted)
     for chat in (False, True):
         rows = [i for i, item in enumerate(formatted) if item.texts is not None and item.chat == chat]
         if rows:
             flat = tokenizer([t for i in rows for t in formatted[i].texts], add_special_tokens=not chat)["input_ids"]
             for j, i in enumerate(rows):
-                encoded[i] = ("pair", flat[2 * j], flat[2 * j + 1])
+                encoded[i] = ("pair", flat[2 * j], flat[2 * j + 1], None)
     rows = [i for i, item in enumerate(formatted) if item.messages is not None]
     if rows:
         for i, result in zip(rows, _encode_conversations(tokenizer, [formatted[i] for i in rows], loss)):
@@ -329,26 +336,39 @@ def _encode(tokenizer, formatted: list[_Formatted], loss: str) -> list:
 
 
 def _encode_conversations(tokenizer, items: list[_Formatted], loss: str) -> list:
-    """One batched ``apply_chat_template`` call; on a template error, row by row to name the row."""
-    from jinja2 import TemplateError
+    """(ids, targets) of each conversation, or its DataError.
 
+    With ``{% generation %}`` markers in the template, the marked spans are the
+    targets (``return_assistant_tokens_mask``, what TRL 1.16 does). Without
+    them, ``assistant`` finds the turns by rendering prefixes
+    (``assistant_targets_by_prefix``). Marked templates keep the markers: they
+    are the template author's own statement of what to train on, and TRL's
+    training templates do not agree with one another where a turn ends (its
+    Qwen2.5 one marks the ``\\n`` after ``<|im_start|>assistant`` and after
+    ``<|im_end|>``, its Llama-3 one neither), so one method for both would
+    change the tokens a TRL user trains on.
+    """
     formats.need_chat_template(tokenizer)
+    if loss == "assistant" and not _has_generation_markers(tokenizer):
+        return assistant_targets_by_prefix(tokenizer, items)
+    return _encode_marked(tokenizer, items, loss == "assistant")
+
+
+def _has_generation_markers(tokenizer) -> bool:
     template = tokenizer.chat_template
     template = template.get("default", "") if isinstance(template, dict) else template
-    if loss == "assistant" and not _GENERATION_MARKER.search(template):
-        raise DataError(
-            "--conversation_loss assistant (the default) trains on the assistant turns, which the chat template must "
-            "wrap in {% generation %} ... {% endgeneration %}; this tokenizer's template has no such markers. Pass "
-            "--conversation_loss all to train on every token, use a tokenizer whose template has the markers (TRL "
-            "ships such training templates for common models), or give the rows as prompt and response"
-        )
-    assistant = loss == "assistant"
+    return bool(_GENERATION_MARKER.search(template))
+
+
+def _encode_marked(tokenizer, items: list[_Formatted], assistant: bool) -> list:
+    """One batched ``apply_chat_template`` call; on a template error, row by row to name the row."""
+    from jinja2 import TemplateError
 
     def tokenize(conversations):
         out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=assistant)
         masks = out["assistant_masks"] if assistant else [[1] * len(ids) for ids in out["input_ids"]]
-        return [("conversation", ids, [m == 1 for m in mask]) for ids, mask in zip(out["input_ids"], masks)]
+        return [("conversation", ids, [m == 1 for m in mask], False) for ids, mask in zip(out["input_ids"], masks)]
 
     try:
         return tokenize([item.messages for item in items])
@@ -365,17 +385,132 @@ def _encode_conversations(tokenizer, items: list[_Formatted], loss: str) -> list
     return results
 
 
+# ---- assistant turns of a template without generation markers -----------------------------------------------------
+
+
+def assistant_targets_by_prefix(tokenizer, items: list[_Formatted]) -> list:
+    """("conversation", ids, targets) of each conversation, or its DataError, found by rendering prefixes.
+
+    For each assistant message k the template renders ``messages[:k]`` with
+    the generation prompt (P) and ``messages[:k+1]`` (T); the tokens of P must
+    be a prefix of T's, and T's up to the turn's end a prefix of the whole
+    conversation's (W, the tokens trained on). The targets of turn k are
+    ``W[len(P):end]``: the turn's tokens after the generation prompt, through
+    the last special token the turn writes (its end-of-turn). ChatML
+    (SmolLM2, Qwen2.5), a user turn then the assistant's ``"hi"``::
+
+        T        ... <|im_end|> \\n <|im_start|> assistant \\n  hi  <|im_end|>  \\n
+        P        ... <|im_end|> \\n <|im_start|> assistant \\n
+        targets           F      F        F          F      F    T       T       F
+
+    * the generation prompt (``<|im_start|>assistant\\n``, Llama-3's
+      ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``) is context: the
+      model is given it at inference;
+    * the content and the end-of-turn token (``<|im_end|>``, ``<|eot_id|>``,
+      eos) are targets: the model writes them, and must learn to stop;
+    * what follows the last special token (ChatML's ``\\n``) is context: the
+      model never emits it, it stops at the end-of-turn token. So this agrees
+      with a template whose ``{% generation %}`` span ends after the
+      end-of-turn token (the demo template, TRL's Llama-3 one); a turn that
+      writes no special token is a target whole.
+
+    "Special" is an added token marked special, or bos/eos/pad/unk; an added
+    but plain token (Qwen's ``<tool_call>``) does not end a turn. A template
+    whose earlier turns change with later ones (one that drops past turns'
+    reasoning, renders the last message differently, or writes a generation
+    prompt other than its assistant header), or a BPE merge across the
+    boundary, breaks a token prefix: that row is a DataError naming the
+    message and the token where they part. 1 + 2n renders and tokenizations
+    for n assistant turns, each tokenization batched over all rows.
+    """
+    rendered = []
+    for item in items:
+        try:
+            rendered.append(_prefix_texts(tokenizer, item))
+        except DataError as err:
+            rendered.append(err)
+    texts = [text for row in rendered if not isinstance(row, DataError) for text in row]
+    flat = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    end_of_turn = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    end_of_turn |= set(tokenizer.all_special_ids)
+    results = []
+    for item, row in zip(items, rendered):
+        if isinstance(row, DataError):
+            results.append(row)
+            continue
+        ids = [next(flat) for _ in row]
+        try:
+            results.append(("conversation", ids[0], *_prefix_targets(tokenizer, item, row, ids, end_of_turn)))
+        except DataError as err:
+            results.append(err)
+    return results
+
+
+def _assistant_turns(messages: list) -> list[int]:
+    return [k for k, message in enumerate(messages) if message["role"] == "assistant"]
+
+
+def _prefix_texts(tokenizer, item: _Formatted) -> list[str]:
+    """The whole conversation, then for each assistant message k: messages[:k] + generation prompt, messages[:k+1]."""
+    messages, source = item.messages, item.source
+    texts = [formats.render_chat(tokenizer, source, messages)]
+    for k in _assistant_turns(messages):
+        texts += [formats.render_chat(tokenizer, source, messages[:k], add_generation_prompt=True),
+                  formats.render_chat(tokenizer, source, messages[:k + 1])]
+    return texts
+
+
+def _prefix_targets(tokenizer, item: _Formatted, texts: list[str], ids: list[list[int]],
+                    end_of_turn: set[int]) -> tuple[list[bool], bool]:
+    """(targets over ``ids[0]``, the whole conversation; whether a turn's first token merged with its prompt)."""
+    whole = ids[0]
+    targets, merged = [False] * len(whole), False
+    for k, prompt, through, prompt_text, through_text in zip(_assistant_turns(item.messages), ids[1::2], ids[2::2],
+                                                             texts[1::2], texts[2::2]):
+        start = len(prompt)
+        if through[:start] != prompt:
+            if not through_text.startswith(prompt_text):
+                raise _not_a_prefix(tokenizer, item, k, prompt, through,
+                                    f"messages[:{k}] with the generation prompt", f"messages[:{k + 1}]")
+            # The text is a prefix, its tokens are not: the content's first characters merged with the end of the
+            # generation prompt ("\n" + "\n\nHi" -> "\n\n\n"). TRL's split for pairs: the turn starts at the
+            # first token that differs, the merged one, which is the token the {% generation %} mask marks too.
+            start, merged = formats.common_prefix(prompt, through), True
+        ends = [i for i in range(start, len(through)) if through[i] in end_of_turn]
+        end = ends[-1] + 1 if ends else len(through)
+        if whole[:end] != through[:end]:
+            raise _not_a_prefix(tokenizer, item, k, through[:end], whole, f"messages[:{k + 1}]",
+                                "the whole conversation")
+        targets[start:end] = [True] * (end - start)
+    return targets, merged
+
+
+def _not_a_prefix(tokenizer, item: _Formatted, k: int, prefix: list[int], longer: list[int], what: str,
+                  of: str) -> DataError:
+    at = formats.common_prefix(prefix, longer)
+    shown = [repr(tokenizer.decode(side[at:at + 3])) for side in (prefix, longer)]
+    return DataError(
+        f"{item.source}: --conversation_loss assistant (the default) finds assistant message {k}'s tokens by "
+        f"rendering the conversation up to it, but the chat template renders {what} as tokens that are not a prefix "
+        f"of those of {of}: they part at token {at} ({shown[0]} vs {shown[1]}), so the template renders a "
+        "conversation's start differently depending on what follows, or a token merges across the boundary. Pass "
+        "--conversation_loss all to train on every token, or use a chat template that wraps the assistant turns in "
+        f"{{% generation %}} ... {{% endgeneration %}}, {SKIP_FIX}",
+        "chat template not prefix-preserving",
+    )
+
+
 def _checked(encoded, item: _Formatted) -> tuple[list[int], list[bool], bool]:
     """(tokens, targets, prompt tail left out) of one row; DataError when it has nothing to train on."""
     if isinstance(encoded, DataError):
         raise encoded
-    kind, ids, other = encoded
+    kind, ids, other, merged = encoded
     if kind == "pair":  # TRL's split: the response starts where prompt and prompt + response first differ
         prompt_ids, tokens = ids, other
         prompt_len = formats.common_prefix(prompt_ids, tokens)
         targets, prompt_tail = [False] * prompt_len + [True] * (len(tokens) - prompt_len), prompt_len < len(prompt_ids)
     else:
-        tokens, targets, prompt_tail = ids, other, False
+        tokens, targets, prompt_tail = ids, other, merged
     if not any(targets[1:]):  # a sequence's first token is never a target (core/batch.py)
         what = ("the response adds no token of its own to the prompt" if kind == "pair"
                 else "the chat template marks no assistant token")

@@ -280,15 +280,14 @@ def test_unknown_chat_role_is_an_error_naming_the_row(tok, row):
     assert err.value.reason == "unknown chat role"
 
 
-def test_assistant_loss_needs_generation_markers(tok):
+def test_assistant_loss_without_generation_markers_finds_the_same_turns(tok):
+    """No {% generation %} markers: the turns are found by rendering prefixes (tests/unit/test_chat_masks.py), and
+    the targets are the marked ones, '3<eos>' and '4<eos>'."""
     unmarked = build_demo_tokenizer()
     unmarked.chat_template = unmarked.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    rows = rows_of({"messages": TWO_TURNS})
-    with pytest.raises(DataError, match=r"\{% generation %\}.*--conversation_loss all") as err:
-        tokenize(unmarked, rows, skip_bad_samples=True)  # the tokenizer's problem, not a row's: never skipped
-    assert err.value.reason is None
-    samples, _ = tokenize(unmarked, rows, conversation_loss="all")
-    assert len(samples[0].tokens) == 49
+    samples, _ = tokenize(unmarked, rows_of({"messages": TWO_TURNS}))
+    assert samples[0].tokens == PROMPT_1_PLUS_2 + [7, EOS] + SECOND_TURN + [8, EOS]
+    assert samples[0].targets == [False] * 23 + [True] * 2 + [False] * 22 + [True] * 2
 
 
 def test_conversation_with_no_assistant_turn_is_a_bad_row(tok):
