@@ -361,6 +361,6 @@ def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model):
         return None
     from openpack.orchestration.ray_launcher import EngineGroupSpec
 
+    options = {"seed": train_cfg.seed, **vllm_options(rollout_cfg, model_cfg.bf16)}
     return EngineGroupSpec(model_cfg.pretrain or str(demo_model), rollout_cfg.vllm_num_engines,
-                           rollout_cfg.vllm_tensor_parallel_size, {"seed": train_cfg.seed, **vllm_options(rollout_cfg)},
-                           colocate=rollout_cfg.colocate_all_models)
+                           rollout_cfg.vllm_tensor_parallel_size, options, colocate=rollout_cfg.colocate_all_models)

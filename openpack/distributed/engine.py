@@ -109,7 +109,25 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
         lr_scheduler=scheduler,
         config=deepspeed_config(zero, optim.max_norm, world_size),
     )
+    if zero.stage == 3:
+        gather_head_with_forward(engine.module)
     return engine
+
+
+def gather_head_with_forward(module: torch.nn.Module) -> None:
+    """Under ZeRO-3, gather the LM head's weight whenever ``module`` runs forward.
+
+    openpack's chunked head reads ``lm_head.weight`` outside ``lm_head.forward``. DeepSpeed gathers an untied
+    head on that access, but a head tied to the input embeddings stayed partitioned (shape [0]: a
+    ZeroDivisionError in the first forward, issue 23); registering it as an external parameter of the wrapper
+    gathers it for the whole forward and backward, tied or not.
+    """
+    import deepspeed
+
+    model = getattr(module, "model", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        deepspeed.zero.register_external_parameter(module, head.weight)
 
 
 def optimizer_step(engine) -> torch.Tensor | float:

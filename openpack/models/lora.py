@@ -96,35 +96,48 @@ def adapters_disabled(model):
         model.train(was_training)
 
 
-def merged_weights(model, zero_stage: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model, zero_stage: int = 0, tied_aliases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(base model name, detached tensor) of every weight of a peft model, LoRA merged in, in
     ``named_parameters`` order (so each decoder layer's weights stay together for vLLM's reload).
 
     'model.layers.0.self_attn.q_proj.weight' = base + scaling * B @ A; a ``modules_to_save`` head is its trained
-    copy under the head's own name. Under ZeRO-3 one module's parameters are gathered at a time; every rank must
-    exhaust the iterator in the same order (the gathers are collective).
+    copy under the head's own name. A tied weight comes once, under its first name, unless ``tied_aliases``
+    (weight sync: vLLM needs ``lm_head.weight`` of a tied model too). Under ZeRO-3 one module's parameters are
+    gathered at a time; every rank must exhaust the iterator in the same order (the gathers are collective).
     """
-    yield from _walk(model.get_base_model(), "", zero_stage, set())
+    yield from _walk(model.get_base_model(), "", zero_stage, None if tied_aliases else set())
 
 
-def _walk(module, prefix: str, zero_stage: int, seen: set):
+def merged_weight_names(model) -> list[str]:
+    """The names ``merged_weights(model, tied_aliases=True)`` yields, in order, with nothing gathered or merged."""
+    return [name for name, _ in _walk(model.get_base_model(), "", 0, None, names_only=True)]
+
+
+def _walk(module, prefix: str, zero_stage: int, seen: set | None, names_only: bool = False):
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
     if isinstance(module, ModulesToSaveWrapper):
         module = module.modules_to_save[module.active_adapters[0]] if not module.disable_adapters \
             else module.original_module
+    if isinstance(module, LoraLayer) and names_only:
+        yield prefix + "weight", None
+        if getattr(module.get_base_layer(), "bias", None) is not None:
+            yield prefix + "bias", None
+        return
     if isinstance(module, LoraLayer):
         with _gathered(list(module.parameters()), zero_stage):
             yield from _merged_layer(module, prefix)
         return
-    own = [(name, p) for name, p in module.named_parameters(recurse=False) if id(p) not in seen]
-    seen.update(id(p) for _, p in own)  # a tied weight once, under its first name (as named_parameters does)
-    with _gathered([p for _, p in own], zero_stage):
+    own = [(name, p) for name, p in module.named_parameters(recurse=False) if seen is None or id(p) not in seen]
+    if seen is not None:
+        seen.update(id(p) for _, p in own)  # a tied weight once, under its first name (as named_parameters does)
+    with _gathered([] if names_only else [p for _, p in own], zero_stage):
         for name, param in own:
-            yield prefix + name, param.data.detach().clone() if zero_stage == 3 else param.data.detach()
+            yield prefix + name, None if names_only else \
+                param.data.detach().clone() if zero_stage == 3 else param.data.detach()
     for name, child in module.named_children():
-        yield from _walk(child, f"{prefix}{name}.", zero_stage, seen)
+        yield from _walk(child, f"{prefix}{name}.", zero_stage, seen, names_only)
 
 
 def _merged_layer(layer, prefix: str):

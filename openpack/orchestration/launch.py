@@ -64,11 +64,12 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, plan
 def launch_command(run, launcher: str) -> tuple[int, object]:
     """``run()`` under the driver's signal handling; (0, its result), or (exit code, None) after one line on stderr.
 
-    The codes: 2 for a ``--ray_address`` with no cluster behind it, 1 for a rank that died, 130 for Ctrl-C and
+    The codes: 2 for a ``--ray_address`` with no cluster behind it or a model whose weights vLLM names otherwise, 1 for a rank that died, 130 for Ctrl-C and
     143 for SIGTERM. Shared by every command that runs work locally or on Ray (training, ``openpack score``).
     """
     from openpack.orchestration.ray_launcher import ClusterUnreachable, RankDiedError
     from openpack.rollout.engines import EngineDiedError
+    from openpack.rollout.weight_sync import WeightNamesError
 
     try:
         with StopSignals(defer=False):
@@ -79,6 +80,9 @@ def launch_command(run, launcher: str) -> tuple[int, object]:
     except RankDiedError as err:
         print(f"openpack: {err}", file=sys.stderr)
         return 1, None
+    except WeightNamesError as err:  # found before the first step: nothing trained, nothing to resume
+        print(f"openpack: {err}", file=sys.stderr)
+        return 2, None
     except EngineDiedError as err:  # raised in a rank between checkpoints, like a dead rank's collectives
         print(f"openpack: {err}; the last checkpoint is intact: rerun with --load_checkpoint to resume",
               file=sys.stderr)

@@ -46,6 +46,19 @@ def vllm_engine_actor_class(**actor_options):
     return ray.remote(**actor_options)(VLLMEngine) if actor_options else ray.remote(VLLMEngine)
 
 
+def standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU, owning exactly its own elements: a copy where it is a view into a larger storage.
+
+    Pickling (Ray's object store) writes a tensor's whole storage: measured, a 147 KB ZeRO-2 parameter carried
+    its ~540 MB flat buffer, and a whole push of SmolLM2-135M needed ~20 GiB (issue 23).
+    """
+    tensor = tensor.detach().cpu()
+    if tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+            tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def shard_sizes(total: int, parts: int) -> list[int]:
     """Near-equal contiguous shard sizes: shard_sizes(10, 3) == [4, 3, 3]."""
     return [total // parts + (i < total % parts) for i in range(parts)]
@@ -68,6 +81,7 @@ class EngineGroup:
             raise ValueError("EngineGroup needs at least one engine (--vllm_num_engines >= 1)")
         self.engines = list(engines)
         self.remote = remote
+        self.object_store_bytes = 0  # put into Ray's object store by this group so far (remote engines)
         self._where: list[str | None] = [None] * len(self.engines)
         if remote:
             self._where = self._call_all("node_and_pid", [()] * len(self.engines))
@@ -95,14 +109,24 @@ class EngineGroup:
         return self._sharded("score", [(shard,) for shard in split_contiguous(sequences, self.num_engines)])
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-        """Send HF-named weights to every engine, one whole-layer bucket at a time; returns the bucket count."""
+        """Send HF-named weights to every engine, one whole-layer bucket at a time; returns the bucket count.
+
+        To remote engines each tensor goes as a copy of its own elements (``standalone``): pickling a view writes
+        its whole storage, and under ZeRO-2 every parameter is a view into one flat buffer.
+        """
         from openpack.rollout.weight_sync import layer_buckets
 
         count = 0
         for bucket in layer_buckets(weights, bucket_bytes):
+            if self.remote:
+                bucket = [(name, standalone(tensor)) for name, tensor in bucket]
             self.broadcast_call("update_weights", bucket)
             count += 1
         return count
+
+    def check_weight_names(self, names: list[str]) -> list[tuple[list[str], list[str]]]:
+        """Each engine's (weights it holds that ``names`` never reach, names it has no weight for)."""
+        return self.broadcast_call("check_weight_names", names)
 
     def sleep(self) -> None:
         self.broadcast_call("sleep")
@@ -112,11 +136,14 @@ class EngineGroup:
         self.broadcast_call("wake_up", tags)
 
     def broadcast_call(self, method: str, *args) -> list:
-        """``engine.method(*args)`` on every engine (the arguments put in Ray's object store once)."""
+        """``engine.method(*args)`` on every engine (the arguments put in Ray's object store once, their size
+        added to ``object_store_bytes``)."""
         if self.remote and args:
             import ray
 
             args = tuple(ray.put(a) for a in args)
+            sizes = ray.experimental.get_object_locations(list(args))
+            self.object_store_bytes += sum(sizes[ref]["object_size"] or 0 for ref in args)
         return self._call_all(method, [args] * self.num_engines)
 
     def submit(self, method: str, *args) -> list:

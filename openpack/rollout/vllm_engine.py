@@ -135,6 +135,12 @@ class VLLMEngine:
         self.llm.collective_rpc("openpack_load_weights", args=(list(named_tensors),))
         self.llm.reset_prefix_cache()  # prefix KV computed with the old weights must not be reused
 
+    def check_weight_names(self, names: list[str]) -> tuple[list[str], list[str]]:
+        """(weights this engine holds that ``names`` never reach, names it has no weight for), over its workers."""
+        reports = self.llm.collective_rpc("openpack_check_weight_names", args=(list(names),))
+        return (sorted({n for missing, _ in reports for n in missing}),
+                sorted({n for _, unknown in reports for n in unknown}))
+
     def num_workers(self) -> int:
         """vLLM workers in this engine (one per tensor-parallel rank), each a member of NcclSync's group."""
         return self.tensor_parallel_size

@@ -47,6 +47,11 @@ def hf_name(wrapped_name: str) -> str:
 def policy_weights(module: torch.nn.Module, zero_stage: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, detached full tensor) for each parameter of a PackedCausalLM (the DeepSpeed engine's module).
 
+    A tied weight is sent under every name it has: a model with tied embeddings sends ``lm_head.weight`` too.
+    ``named_parameters()`` lists a tied weight once, but vLLM's reload unties the head (on CPU the head keeps its
+    own repacked copy, refreshed only when ``lm_head.weight`` itself is loaded): measured on a tiny tied Llama,
+    the engine's log-probs stayed 1.4 from the trainer's after a push without it, 7e-7 with it (issue 23).
+
     Under ZeRO-3 each parameter is gathered alone and copied before the next is gathered. Every rank must
     exhaust this iterator in the same order, because the gathers are collective. A LoRA policy sends its merged
     weights under the base model's names (``models.lora.merged_weights``): vLLM holds the plain model.
@@ -54,9 +59,9 @@ def policy_weights(module: torch.nn.Module, zero_stage: int) -> Iterator[tuple[s
     from openpack.models.lora import is_lora, merged_weights
 
     if is_lora(module.model):
-        yield from merged_weights(module.model, zero_stage)
+        yield from merged_weights(module.model, zero_stage, tied_aliases=True)
         return
-    for name, param in module.named_parameters():
+    for name, param in module.named_parameters(remove_duplicate=False):
         if zero_stage == 3 and hasattr(param, "ds_id"):
             import deepspeed
 
@@ -65,6 +70,43 @@ def policy_weights(module: torch.nn.Module, zero_stage: int) -> Iterator[tuple[s
         else:
             tensor = param.data.detach()
         yield hf_name(name), tensor
+
+
+def policy_weight_names(module: torch.nn.Module) -> list[str]:
+    """The HF names ``policy_weights`` sends, in order, found without gathering or copying any tensor."""
+    from openpack.models.lora import is_lora, merged_weight_names
+
+    if is_lora(module.model):
+        return merged_weight_names(module.model)
+    return [hf_name(name) for name, _ in module.named_parameters(remove_duplicate=False)]
+
+
+class WeightNamesError(ValueError):
+    """The weights the trainer sends and the weights a vLLM engine holds do not match (found before any push)."""
+
+
+def check_weight_names(engines: EngineGroup, names: list[str]) -> None:
+    """Refuse, before the first push, a policy whose sent weights would leave an engine weight stale or unknown.
+
+    Each engine maps ``names`` to its own parameter names (``worker_extension.openpack_check_weight_names``) and
+    reports what it holds that nothing sent reaches, and what is sent that it has no place for.
+    """
+    for index, (missing, unknown) in enumerate(engines.check_weight_names(list(names))):
+        if missing or unknown:
+            raise WeightNamesError(
+                f"weight sync: vLLM engine {index} of {engines.num_engines} and the policy disagree on weight names"
+                + (f"; the engine holds weights the policy never sends, which would stay stale: {_listed(missing)}"
+                   if missing else "")
+                + (f"; the policy sends weights the engine has no place for: {_listed(unknown)}" if unknown else "")
+                + ". openpack sends the policy's parameters under their Hugging Face names (tied weights under "
+                "each name); this model's vLLM implementation expects others. Use --rollout_backend hf "
+                "(generation by the policy itself) for this model."
+            )
+
+
+def _listed(names: list[str], shown: int = 5) -> str:
+    """'a, b, c, d, e and 2 more'."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def layer_key(name: str) -> str:
@@ -135,11 +177,15 @@ class InHostSync:
     def __init__(self, engines: EngineGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.engines = engines
         self.bucket_bytes = bucket_bytes
+        self.object_store_bytes = None  # what the last push put into Ray's object store (remote engines)
 
     def push(self, weights: Iterator[tuple[str, torch.Tensor]], is_main: bool) -> float:
         start = time.perf_counter()
         if is_main:
+            before = self.engines.object_store_bytes
             self.engines.update_weights(((n, t.cpu()) for n, t in weights), self.bucket_bytes)
+            if self.engines.remote:
+                self.object_store_bytes = self.engines.object_store_bytes - before
         else:
             for _ in weights:  # the ZeRO-3 gathers are collective: take part, send nothing
                 pass

@@ -27,6 +27,28 @@ class WeightReloadExtension:
         self.reload_weights(weights_iterator=iter(named_tensors))
         return len(named_tensors)
 
+    def openpack_check_weight_names(self, hf_names: list[str]) -> tuple[list[str], list[str]]:
+        """(this worker's parameters that no name in ``hf_names`` loads, names that load no parameter here).
+
+        A checkpoint name maps to a parameter the way vLLM's loader maps it: the model's ``hf_to_vllm_mapper``
+        (renames, and q/k/v or gate/up stacked into one fused parameter), else its ``packed_modules_mapping``.
+        Parameters are listed with their tied aliases (``lm_head.weight`` of a tied model): vLLM's reload
+        refreshes a tied head only when that name is loaded. Names the mapper drops (rotary caches) count as
+        neither.
+        """
+        model = self.model_runner.get_model()
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        packed = getattr(model, "packed_modules_mapping", None) or {}
+        held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        reached, unknown = set(), []
+        for name in hf_names:
+            target = mapper.map_name(name) if mapper is not None else _packed_name(name, packed)
+            if target in held:
+                reached.add(target)
+            elif target is not None:
+                unknown.append(name)
+        return sorted(held - reached), unknown
+
     def openpack_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join the trainer's NCCL group as rank ``rank_offset + tensor-parallel rank`` (NcclSync; GPU only)."""
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -44,3 +66,13 @@ class WeightReloadExtension:
             received.append((name, buffer))
         torch.cuda.current_stream().synchronize()
         return self.openpack_load_weights(received)
+
+
+def _packed_name(name: str, packed: dict[str, list[str]]) -> str:
+    """'model.layers.0.self_attn.k_proj.weight' -> 'model.layers.0.self_attn.qkv_proj.weight' given
+    ``{'qkv_proj': ['q_proj', 'k_proj', 'v_proj']}`` (a model without a ``hf_to_vllm_mapper``)."""
+    for fused, parts in packed.items():
+        for part in parts:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}.", 1)
+    return name

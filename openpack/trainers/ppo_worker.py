@@ -202,9 +202,9 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
                     and backend == "vllm" else " (auto: vLLM is not installed)" if rollout_cfg.rollout_backend
                     == "auto" else "")
     generator = make_generator(backend, rollout_cfg, pretrain, run.engine.module.model, tokenizer, train_cfg.seed,
-                               dist, engine_group)
+                               dist, engine_group, model_cfg.bf16)
     pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train)
-    sync = _weight_sync(backend, rollout_cfg, generator, dist)
+    sync = _weight_sync(backend, rollout_cfg, generator, run.engine.module, dist)
     reward = reward_source(rl_cfg, data_cfg, demo_model is not None,
                            reward_scorers(rl_cfg, model_cfg, train_cfg, dist, reward_groups))
     colocation = Colocation(generator.engines, [run.engine, critic], functools.partial(
@@ -276,11 +276,14 @@ def _planned(index: int, prompt_ids: list[int], seed: int, rollout_cfg) -> RankS
                     hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
-def _weight_sync(backend: str, rollout_cfg, generator: Generator, dist):
+def _weight_sync(backend: str, rollout_cfg, generator: Generator, policy, dist):
+    """The engines' weight sync, after rank 0 checked that what it sends is every weight the engines hold."""
     if backend != "vllm":
         return None  # HF generation samples from the policy itself
-    from openpack.rollout.weight_sync import make_weight_sync
+    from openpack.rollout.weight_sync import check_weight_names, make_weight_sync, policy_weight_names
 
+    if dist.is_main:
+        check_weight_names(generator.engines, policy_weight_names(policy))
     return make_weight_sync(rollout_cfg.vllm_sync_backend, generator.engines)
 
 
@@ -339,8 +342,14 @@ def _rl_step(loop: RLLoop, planned: RankStep) -> dict:
     sync_s = loop.colocation.push_s if loop.colocation else \
         _push(loop.sync, run.engine, loop.model_cfg.zero_stage, dist) if loop.sync is not None else 0.0
     return {**rollout_metrics(rollouts, generation_s), **loop.pipeline.metrics, **reward_metrics, **metrics,
-            **timings, "time/reward": reward_s, "time/weight_sync": sync_s, "lr": run.engine.get_lr()[0],
-            "step_time_s": time.perf_counter() - start}
+            **timings, **_sync_metrics(loop.sync), "time/reward": reward_s, "time/weight_sync": sync_s,
+            "lr": run.engine.get_lr()[0], "step_time_s": time.perf_counter() - start}
+
+
+def _sync_metrics(sync) -> dict:
+    """What the last push put into Ray's object store (inhost sync to engines that are Ray actors)."""
+    pushed = getattr(sync, "object_store_bytes", None)
+    return {} if pushed is None else {"weight_sync/object_store_mb": pushed / 2**20}
 
 
 def _reward(loop: RLLoop, prompts: list[Prompt], rollouts: Rollouts, where: str) -> dict:

@@ -85,6 +85,7 @@ def reference_engine(model, zero_stage: int, offload: bool, bf16: bool):
     """deepspeed.initialize for inference: ZeRO-3 partitions (and offloads) it like the policy, else stage 0."""
     import deepspeed
 
+    from openpack.distributed.engine import gather_head_with_forward
     from openpack.models.packed import PackedCausalLM
 
     stage = 3 if zero_stage == 3 else 0
@@ -96,6 +97,8 @@ def reference_engine(model, zero_stage: int, offload: bool, bf16: bool):
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "bf16": {"enabled": bf16},
               "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=PackedCausalLM(model), config=config)
+    if stage == 3:
+        gather_head_with_forward(engine.module)
     return engine
 
 

@@ -17,7 +17,8 @@ from openpack.rollout.engines import EngineGroup
 from openpack.rollout.hf_engine import HFEngine
 from openpack.rollout.types import SamplingConfig
 from openpack.rollout.vllm_engine import VLLMEngine
-from openpack.rollout.weight_sync import InHostSync, layer_buckets, policy_weights
+from openpack.rollout.weight_sync import (InHostSync, WeightNamesError, check_weight_names, layer_buckets,
+                                          policy_weight_names, policy_weights)
 
 TOLERANCE = 1e-4
 SEQUENCES = [p + [(7 * i + 3 * t) % 40 + 4 for t in range(10)] for i, p in enumerate(PROMPTS)]
@@ -86,6 +87,21 @@ def test_weight_sync_in_buckets_reaches_vllm(setup):
             param.copy_(original[name])
     InHostSync(EngineGroup([engine], remote=False)).push(policy_weights(wrapped, 0), is_main=True)
     assert max_abs_diff(engine.score(SEQUENCES), before) <= TOLERANCE
+
+
+def test_weight_names_are_checked_against_the_engines_before_a_push(setup):
+    """Every weight the engine holds must be reached by a name the trainer sends (q/k/v and gate/up map to vLLM's
+    fused parameters); a missing or unknown name is refused with both named, before any weight is loaded."""
+    model, engine = setup
+    group = EngineGroup([engine], remote=False)
+    names = policy_weight_names(PackedCausalLM(model))
+    assert names == [name for name, _ in policy_weights(PackedCausalLM(model), 0)]
+    check_weight_names(group, names)
+    with pytest.raises(WeightNamesError, match=r"never sends, which would stay stale: lm_head\.weight\. "):
+        check_weight_names(group, [n for n in names if n != "lm_head.weight"])
+    with pytest.raises(WeightNamesError, match=r"no place for: model\.layers\.9\.mlp\.up_proj\.weight\. .*"
+                                               r"--rollout_backend hf"):
+        check_weight_names(group, names + ["model.layers.9.mlp.up_proj.weight"])
 
 
 def test_seeded_samples_repeat_and_carry_raw_logprobs(setup):

@@ -18,9 +18,9 @@ from openpack.models.verify import random_segments
 OPTIM = OptimConfig(1e-3, 0.0, (0.9, 0.95), "constant", 0, 10, 0.1, 100.0)
 
 
-def two_steps(stage):
+def two_steps(stage, tied=False):
     dist = init_distributed()
-    engine = create_engine(PackedCausalLM(tiny_causal_lm("qwen2", seed=5)), OPTIM,
+    engine = create_engine(PackedCausalLM(tiny_causal_lm("qwen2", seed=5, tie_word_embeddings=tied)), OPTIM,
                            ZeroConfig(stage, False, False, False, param_persistence_threshold=0), 1)
     results = []
     for seed in (0, 1):
@@ -37,10 +37,12 @@ def two_steps(stage):
     return results, head.numel()
 
 
-def test_zero_stages_agree_and_zero3_partitions_the_head():
-    reference, _ = two_steps(0)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_zero_stages_agree_and_zero3_partitions_the_head(tied):
+    """Tied: the head is the input embedding's weight, read outside lm_head.forward (issue 23: partitioned there)."""
+    reference, _ = two_steps(0, tied)
     for stage in (2, 3):
-        results, head_numel = two_steps(stage)
+        results, head_numel = two_steps(stage, tied)
         for (loss, norm), (ref_loss, ref_norm) in zip(results, reference):
             assert loss == pytest.approx(ref_loss, abs=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
         if stage == 3:

@@ -149,3 +149,20 @@ def test_a_layer_split_across_the_stream_is_refused():
     weights = fake_weights([2, 2])
     with pytest.raises(ValueError, match="consecutively"):
         list(layer_buckets([weights[0], weights[2], weights[1]], bucket_bytes=1))
+
+
+def test_standalone_copies_views_out_of_their_storage():
+    """Pickling writes a tensor's whole storage: a ZeRO-2 parameter (a view into one flat buffer) must be copied
+    before it is put into Ray's object store (issue 23: a 147 KB slice pickled to ~100 MB)."""
+    import pickle
+
+    from openpack.rollout.engines import standalone
+
+    flat = torch.zeros(100_000)
+    view = flat[1000:1100].view(10, 10)
+    copy = standalone(view)
+    assert torch.equal(copy, view) and copy.untyped_storage().nbytes() == 400
+    assert len(pickle.dumps(copy)) < 2_000 < 400_000 < len(pickle.dumps(view))
+    owned = torch.ones(3, 4)
+    assert standalone(owned).data_ptr() == owned.data_ptr()  # a tensor owning exactly its elements: no copy
+    assert standalone(owned.t()).is_contiguous()  # a transposed view is copied too
