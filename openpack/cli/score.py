@@ -1,6 +1,7 @@
 """``openpack score``: a reward for every row of a dataset, from a reward model ``openpack train_rm`` saved.
 
-Each row (a conversation, or a prompt and a response) is tokenized as ``train_rm`` tokenized its pairs,
+Each row (a conversation, or a prompt and a response) is tokenized as ``train_rm`` tokenized its pairs
+(text rows through the chat template with ``--apply_chat_template``, as ``train_rm`` with that flag),
 sequences are packed into rows of at most ``--max_tokens_per_gpu`` tokens, and each gets the reward at its
 last token, normalised if the model was trained with ``--normalize_reward``. The output is the input rows,
 each with a ``reward`` key added, in the same order. ``--launcher ray`` scores on a group of
@@ -16,6 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.cli.train_sft import check_inputs
 from openpack.orchestration.launch import launch_command
@@ -30,6 +33,11 @@ class ScoreConfig:
     prompt_key: str = arg("prompt", "key of a row's prompt text")
     response_key: str = arg("response", "key of a row's response text (scored as prompt + response + eos)")
     messages_key: str = arg("messages", "key of a row's conversation (a list of {role, content} messages)")
+    apply_chat_template: bool | None = arg(
+        None, "text prompt/response rows become a user and an assistant turn of the tokenizer's chat template, as "
+        "train_rm --apply_chat_template tokenized them (conversations always do)",
+        special={None: "what the model's train_rm run recorded in its config.yaml, else raw text (with a warning "
+                       "when the tokenizer has a chat template)"})
     value_head_prefix: str = arg("score", "name of the value head's weights in --reward_pretrain (OpenRLHF: "
                                  "value_head)")
     max_tokens_per_gpu: int = arg(16384, "token cap of a packed row", at_least=2)
@@ -86,12 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     from openpack.models.loading import load_tokenizer
 
     try:
-        rows = load_rows(cfg.dataset)
-        sequences = tokenize_for_scoring(rows, load_tokenizer(cfg.reward_pretrain), cfg.prompt_key, cfg.response_key,
-                                         cfg.messages_key)
+        rows, tokenizer = load_rows(cfg.dataset), load_tokenizer(cfg.reward_pretrain)
+        sequences, raw_text = tokenize_for_scoring(rows, tokenizer, cfg.prompt_key, cfg.response_key, cfg.messages_key,
+                                                   chat_template_choice(cfg))
     except (DataError, ModelLoadError) as err:
         print(f"openpack score: {err}", file=sys.stderr)
         return 2
+    if raw_text and cfg.apply_chat_template is None and getattr(tokenizer, "chat_template", None):
+        # Issue 23: a chat-trained reward model gave such rows a mean of 9.84, against -0.15 as conversations.
+        print(f"openpack score: warning: {raw_text} text rows scored as raw text, but the reward model's tokenizer "
+              "has a chat template; if the model was trained on chat turns (conversations, or train_rm "
+              "--apply_chat_template), pass --apply_chat_template to score each as a user and an assistant turn, "
+              "or --no_apply_chat_template if it was trained on raw text", file=sys.stderr)
     code, rewards = launch_command(lambda: _score(cfg, launch_cfg, sequences), launch_cfg.launcher)
     if code:
         return code
@@ -99,6 +113,28 @@ def main(argv: list[str] | None = None) -> int:
     _write_rows([{**row, "reward": reward} for row, reward in zip(rows.rows, rewards.tolist())], output)
     print(f"openpack score: {len(rows)} rewards written to {output} (mean {rewards.mean().item():.4f})")
     return 0
+
+
+def chat_template_choice(cfg: ScoreConfig) -> bool:
+    """--apply_chat_template as given; unset, what the reward model's train_rm run recorded, said in one line.
+
+    train_rm writes its flags to ``<save_path>/config.yaml`` and the model to ``<save_path>/model``, and that
+    record says how its text rows were tokenized, so a model scored where train_rm left it is scored the same
+    way by default. The choice is printed (an automatic choice is logged); a flag the user gave always wins.
+    A model copied elsewhere has no record: it is scored as raw text, with the warning ``main`` prints.
+    """
+    if cfg.apply_chat_template is not None:
+        return cfg.apply_chat_template
+    saved = Path(cfg.reward_pretrain).parent / "config.yaml"
+    try:
+        recorded = (yaml.safe_load(saved.read_text()) or {}).get("apply_chat_template")
+    except (OSError, yaml.YAMLError, AttributeError):  # no record, or not train_rm's flat mapping
+        return False
+    if recorded is not True:
+        return False
+    print(f"openpack score: --apply_chat_template, as {saved} records for the run that trained this model "
+          "(--no_apply_chat_template scores text rows as raw text)")
+    return True
 
 
 def _score(cfg: ScoreConfig, launch_cfg: ScoreLaunchConfig, sequences: list[list[int]]):

@@ -6,6 +6,7 @@ give the rewards the trainer's module gives those pairs, in one process and on a
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -33,16 +34,21 @@ def reward_model(tmp_path_factory, tiny_pretrain, pairs_jsonl):
     return save_path / "model"
 
 
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 @pytest.fixture(scope="module")
 def rows_jsonl(tmp_path_factory, pairs_jsonl):
     """Each pair's two sides as rows to score: chosen, rejected, chosen, ..."""
-    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
-    with open(path, "w") as f:
-        for line in open(pairs_jsonl):
-            pair = json.loads(line)
-            f.writelines(json.dumps({"prompt": pair["prompt"], "response": pair[side]}) + "\n"
-                         for side in ("chosen", "rejected"))
-    return path
+    return write_jsonl(tmp_path_factory.mktemp("rows") / "rows.jsonl",
+                       [{"prompt": pair["prompt"], "response": pair[side]}
+                        for pair in read_jsonl(pairs_jsonl) for side in ("chosen", "rejected")])
 
 
 def trainer_rewards(model_dir, pairs_jsonl):
@@ -94,6 +100,79 @@ def test_a_row_with_nothing_to_score_is_named(reward_model, tmp_path, capsys):
     data.write_text(json.dumps({"question": "1+2=", "answer": "3"}) + "\n")
     assert score.main(["--reward_pretrain", str(reward_model), "--dataset", str(data)]) == 2
     assert f"{data}:1: nothing to score" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def messages_jsonl(tmp_path_factory, rows_jsonl):
+    """The rows of ``rows_jsonl`` as conversations: the prompt a user turn, the response an assistant turn."""
+    return write_jsonl(tmp_path_factory.mktemp("conversations") / "conversations.jsonl",
+                       [{"messages": [{"role": "user", "content": row["prompt"]},
+                                      {"role": "assistant", "content": row["response"]}]}
+                        for row in read_jsonl(rows_jsonl)])
+
+
+def score_rows(model, dataset, out, *flags) -> int:
+    return score.main(["--reward_pretrain", str(model), "--dataset", str(dataset), "--output", str(out), *flags])
+
+
+CHAT_WARNING = "text rows scored as raw text, but the reward model's tokenizer has a chat template"
+
+
+def test_apply_chat_template_scores_text_rows_as_the_same_conversations(reward_model, rows_jsonl, messages_jsonl,
+                                                                         tmp_path, capsys):
+    """Issue 23: text rows sent to a chat-trained reward model were scored as raw text (mean 9.84 against -0.15
+    for the same pairs as messages). With the flag they are the conversations' token ids exactly, so their rewards
+    are the same floats."""
+    from openpack.data.loading import load_rows
+    from openpack.data.scoring import tokenize_for_scoring
+    from openpack.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(reward_model))
+    templated, raw_left = tokenize_for_scoring(load_rows([str(rows_jsonl)]), tokenizer, apply_chat_template=True)
+    conversations, _ = tokenize_for_scoring(load_rows([str(messages_jsonl)]), tokenizer)
+    raw, raw_rows = tokenize_for_scoring(load_rows([str(rows_jsonl)]), tokenizer)
+    assert templated == conversations and raw_left == 0
+    assert raw != templated and raw_rows == 48
+
+    assert score_rows(reward_model, rows_jsonl, tmp_path / "text.jsonl", "--apply_chat_template") == 0
+    assert CHAT_WARNING not in capsys.readouterr().err
+    assert score_rows(reward_model, messages_jsonl, tmp_path / "messages.jsonl") == 0
+    assert CHAT_WARNING not in capsys.readouterr().err
+    assert torch.equal(read_rewards(tmp_path / "text.jsonl"), read_rewards(tmp_path / "messages.jsonl"))
+
+
+def test_text_rows_for_a_chat_tokenizer_warn_in_one_line_naming_the_flag(reward_model, rows_jsonl, tmp_path, capsys):
+    """The demo tokenizer has a chat template; the model's run recorded apply_chat_template: false, so nothing
+    decides for the user: the rows are scored raw, with the warning. --no_apply_chat_template is a choice: no
+    warning."""
+    assert score_rows(reward_model, rows_jsonl, tmp_path / "raw.jsonl") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if CHAT_WARNING in line]
+    assert len(warnings) == 1 and warnings[0].startswith("openpack score: warning: 48 text rows")
+    assert "pass --apply_chat_template" in warnings[0]
+    assert score_rows(reward_model, rows_jsonl, tmp_path / "chosen_raw.jsonl", "--no_apply_chat_template") == 0
+    assert CHAT_WARNING not in capsys.readouterr().err
+    assert torch.equal(read_rewards(tmp_path / "raw.jsonl"), read_rewards(tmp_path / "chosen_raw.jsonl"))
+
+
+def test_a_run_recorded_with_apply_chat_template_makes_it_the_default_and_says_so(reward_model, rows_jsonl,
+                                                                                   messages_jsonl, tmp_path, capsys):
+    """train_rm --apply_chat_template records it in <save_path>/config.yaml beside <save_path>/model; scoring that
+    model templates text rows unless the user's flag says otherwise."""
+    run = tmp_path / "rm"
+    shutil.copytree(reward_model, run / "model")
+    (run / "config.yaml").write_text((reward_model.parent / "config.yaml").read_text().replace(
+        "apply_chat_template: false", "apply_chat_template: true"))
+    assert score_rows(run / "model", rows_jsonl, tmp_path / "auto.jsonl") == 0
+    captured = capsys.readouterr()
+    assert f"openpack score: --apply_chat_template, as {run / 'config.yaml'} records" in captured.out
+    assert CHAT_WARNING not in captured.err
+    assert score_rows(reward_model, messages_jsonl, tmp_path / "messages.jsonl") == 0
+    assert torch.equal(read_rewards(tmp_path / "auto.jsonl"), read_rewards(tmp_path / "messages.jsonl"))
+
+    capsys.readouterr()
+    assert score_rows(run / "model", rows_jsonl, tmp_path / "raw.jsonl", "--no_apply_chat_template") == 0
+    assert "--apply_chat_template, as" not in capsys.readouterr().out
+    assert not torch.equal(read_rewards(tmp_path / "raw.jsonl"), read_rewards(tmp_path / "auto.jsonl"))
 
 
 @pytest.mark.slow
