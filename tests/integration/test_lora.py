@@ -258,3 +258,19 @@ def test_ppo_with_lora_syncs_merged_weights_to_vllm(tmp_path, rl_model):
     assert metrics[1]["kl"] > 0  # the reference stayed the base while the merged policy moved
     assert_only_adapters_moved(tmp_path, rl_model / "model")
     assert (tmp_path / "critic" / "config.json").exists()
+
+
+def test_a_tied_lora_policy_sends_its_head_under_both_names():
+    """Weight sync of a tied LoRA policy: the merged weights carry ``lm_head.weight`` too (vLLM refreshes a tied head
+    only when that name is loaded, issue 23), in the order of ``merged_weight_names``; saving keeps one copy."""
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.lora import apply_lora, merged_weight_names, merged_weights
+    from openpack.models.tiny import tiny_causal_lm
+
+    tied = tiny_causal_lm("llama", seed=0, vocab_size=len(build_demo_tokenizer()), tie_word_embeddings=True)
+    model = apply_lora(tied, lora_cfg())
+    sent = list(merged_weights(model, tied_aliases=True))
+    assert [name for name, _ in sent] == merged_weight_names(model)
+    tensors = dict(sent)
+    assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    assert "lm_head.weight" not in dict(merged_weights(model))  # the export's state dict: once, as before
