@@ -131,6 +131,9 @@ class RLConfig:
     remote_rm_url: str | None = arg(None, "reward server (OpenRLHF's JSON protocol: POST query/prompts/labels, "
                                     "answer {'rewards': [...]})")
     remote_rm_timeout: float = arg(60.0, "seconds a --remote_rm_url request may take before it is retried", above=0)
+    reward_timeout: float = arg(300.0, "seconds one call of --reward_fn or --remote_rm_url (retries included) may "
+                                "take before the run stops naming it", at_least=0,
+                                special={0.0: "no limit; the function runs in the main thread"})
     ref_pretrain: str | None = arg(None, "reference model of the KL term; default: --pretrain")
     target_kl: float | None = arg(None, "adaptive KL controller (Ziegler et al.): the coefficient of the reward's KL "
                                   "penalty moves toward this KL per token", above=0,
@@ -151,6 +154,8 @@ class RLConfig:
     dynamic_filtering_reward_range: list[float] | None = arg(None, "two values: keep groups whose mean reward is "
                                                              "strictly between them, e.g. 0 1",
                                                              special={None: "drop only groups of equal rewards"})
+    dynamic_filtering_max_empty_steps: int = arg(3, "with --dynamic_filtering: stop (exit 1) after this many "
+                                                 "rollout batches in a row keep no group", at_least=1)
     lambd: float = arg(1.0, "GAE's lambda (--advantage_estimator gae)", at_least=0, at_most=1)
     critic_pretrain: str | None = arg(None, "the critic's start (--advantage_estimator gae): a reward model or a "
                                       "causal LM (a new value head)",
@@ -288,7 +293,12 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
         configs = parse_config(argv, f"openpack {command}", __doc__.split("\n\n")[0], *config_classes)
         model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = configs
         check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg)
-        check_inputs(data_cfg.prompt_data, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": rl_cfg.ref_pretrain})
+        check_inputs(data_cfg.prompt_data, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": rl_cfg.ref_pretrain},
+                     "--prompt_data")
+        from openpack.models.reward import check_reward_model
+
+        for path in rl_cfg.reward_pretrain or []:  # a causal LM here is refused now, not after the policy loads
+            check_reward_model(path)
     except (ConfigError, DataError, ModelLoadError) as err:
         print(f"openpack {command}: {err}", file=sys.stderr)
         return 2

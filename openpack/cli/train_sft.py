@@ -224,8 +224,9 @@ def with_demo_defaults(argv: list[str], command: str, demo_config: Path,
     return ["--config", str(demo_config), *argv], notice
 
 
-def check_inputs(datasets: list[str] | None, models: dict[str, str | None]) -> None:
-    """Before Ray, DeepSpeed or a model load: every local --dataset can be read and every model flag's config loads.
+def check_inputs(datasets: list[str] | None, models: dict[str, str | None], data_flag: str = "--dataset") -> None:
+    """Before Ray, DeepSpeed or a model load: every local ``data_flag`` dataset can be read and every model flag's
+    config loads.
 
     Raises DataError or ModelLoadError, whose messages name the flag.
     """
@@ -233,7 +234,7 @@ def check_inputs(datasets: list[str] | None, models: dict[str, str | None]) -> N
     from openpack.models.loading import load_model_config
 
     if datasets:
-        check_dataset_files(datasets)
+        check_dataset_files(datasets, data_flag)
     for flag, name in models.items():
         if name is not None:
             load_model_config(name, flag)

@@ -69,6 +69,7 @@ def load_rows(
     seed: int = 0,
     skip_bad_samples: bool = False,
     split: str = "train",
+    flag: str = "--dataset",
 ) -> Rows:
     """Load every dataset in ``datasets`` and concatenate or mix them.
 
@@ -87,25 +88,27 @@ def load_rows(
     One dataset with ``probs=[1.0]`` is returned in file order.
 
     Raises DataError for a missing file, a bad row (unless
-    ``skip_bad_samples``), bad ``probs``, or a dataset with no rows.
+    ``skip_bad_samples``), bad ``probs``, or a dataset with no rows;
+    messages name ``flag``, the command's flag (``--prompt_data`` for RL).
     """
     if not datasets:
-        raise DataError("no dataset given: pass --dataset PATH_OR_HUB_NAME (several: --dataset a.jsonl b.jsonl)")
+        raise DataError(f"no dataset given: pass {flag} PATH_OR_HUB_NAME (several: {flag} a.jsonl b.jsonl)")
     if probs is not None:
-        _check_probs(datasets, probs)
+        _check_probs(datasets, probs, flag)
     parts, skipped_per = [], []
     for spec in datasets:
         skipped = Counter()
-        parts.append(_load_dataset(spec, split, skip_bad_samples, skipped))
+        parts.append(_load_dataset(spec, split, skip_bad_samples, skipped, flag))
         skipped_per.append(skipped)
-    _check_not_empty(datasets, parts, skipped_per)
+    _check_not_empty(datasets, parts, skipped_per, flag)
     total_skipped = sum(skipped_per, Counter())
     pairs = _mix(parts, probs, seed) if probs is not None and len(parts) > 1 else [p for part in parts for p in part]
     return Rows([row for row, _ in pairs], [src for _, src in pairs], total_skipped)
 
 
-def check_dataset_files(datasets: list[str]) -> None:
-    """Before anything starts: every --dataset naming a local file or folder exists and can be read.
+def check_dataset_files(datasets: list[str], flag: str = "--dataset") -> None:
+    """Before anything starts: every dataset of ``flag`` (--dataset, --prompt_data) naming a local file or folder
+    exists and can be read.
 
     Only the first byte of each file is read, so a bad path or permission is reported in a second,
     not after a cluster and a model have started. Hub datasets are checked when they load.
@@ -114,34 +117,34 @@ def check_dataset_files(datasets: list[str]) -> None:
         path = os.path.expanduser(spec)
         if not os.path.exists(path):
             if _looks_local(spec):
-                raise DataError(f"--dataset {spec}: file not found ({os.path.abspath(path)}); check the path")
+                raise DataError(f"{flag} {spec}: file not found ({os.path.abspath(path)}); check the path")
             continue
-        for file in _data_files(spec, path):
+        for file in _data_files(spec, path, flag):
             try:
                 with open(file, "rb") as f:
                     f.read(1)
             except OSError as err:
-                raise DataError(f"--dataset {spec}: cannot read {file} ({err.strerror}); check the file's "
+                raise DataError(f"{flag} {spec}: cannot read {file} ({err.strerror}); check the file's "
                                 "permissions, or pass a file this user can read") from err
 
 
-def _check_probs(datasets: list[str], probs: list[float]) -> None:
-    """--dataset_probs: one finite positive weight per dataset, summing to 1 within 1e-6."""
+def _check_probs(datasets: list[str], probs: list[float], flag: str) -> None:
+    """--dataset_probs (``flag``_probs): one finite positive weight per dataset, summing to 1 within 1e-6."""
     shown = ", ".join(str(p) for p in probs)
     if len(probs) != len(datasets):
         raise DataError(
-            f"--dataset_probs has {len(probs)} values ({shown}) but --dataset has {len(datasets)} datasets; "
+            f"{flag}_probs has {len(probs)} values ({shown}) but {flag} has {len(datasets)} datasets; "
             "give one probability per dataset, in the same order"
         )
     if not all(isinstance(p, (int, float)) and math.isfinite(p) and p > 0 for p in probs):
         raise DataError(
-            f"--dataset_probs must all be > 0, got {shown}; drop a dataset from --dataset instead of giving it 0"
+            f"{flag}_probs must all be > 0, got {shown}; drop a dataset from {flag} instead of giving it 0"
         )
     if abs(sum(probs) - 1.0) > 1e-6:
-        raise DataError(f"--dataset_probs must sum to 1, got {shown} (sum {sum(probs):.6g}); rescale them")
+        raise DataError(f"{flag}_probs must sum to 1, got {shown} (sum {sum(probs):.6g}); rescale them")
 
 
-def _check_not_empty(datasets: list[str], parts: list[Pairs], skipped_per: list[Counter]) -> None:
+def _check_not_empty(datasets: list[str], parts: list[Pairs], skipped_per: list[Counter], flag: str) -> None:
     """Every dataset must give at least one row; a mixture cannot draw from an empty one."""
     empty = [(spec, skipped) for spec, part, skipped in zip(datasets, parts, skipped_per) if not part]
     if not empty:
@@ -149,7 +152,7 @@ def _check_not_empty(datasets: list[str], parts: list[Pairs], skipped_per: list[
     described = "; ".join(f"{spec} ({_describe_skips(skipped)})" for spec, skipped in empty)
     raise DataError(
         f"no rows left in {len(empty)} of {len(datasets)} datasets: {described}. "
-        "Check the --dataset paths, fix the rows, or remove the dataset from --dataset"
+        f"Check the {flag} paths, fix the rows, or remove the dataset from {flag}"
     )
 
 
@@ -176,14 +179,14 @@ def _shuffled_cycle(part: Pairs, rng: random.Random) -> Iterator[tuple[dict, str
         yield from (part[i] for i in order)
 
 
-def _load_dataset(spec: str, split: str, skip: bool, skipped: Counter) -> Pairs:
+def _load_dataset(spec: str, split: str, skip: bool, skipped: Counter, flag: str) -> Pairs:
     """Rows of one --dataset spec: a local file or folder, else a hub dataset."""
     path = os.path.expanduser(spec)
     if os.path.exists(path):
-        return [pair for file in _data_files(spec, path) for pair in _read_file(file, skip, skipped)]
+        return [pair for file in _data_files(spec, path, flag) for pair in _read_file(file, skip, skipped)]
     if _looks_local(spec):
-        raise DataError(f"--dataset {spec}: file not found ({os.path.abspath(path)}); check the path")
-    return _read_hub(spec, split, skip, skipped)
+        raise DataError(f"{flag} {spec}: file not found ({os.path.abspath(path)}); check the path")
+    return _read_hub(spec, split, skip, skipped, flag)
 
 
 def _looks_local(spec: str) -> bool:
@@ -193,16 +196,16 @@ def _looks_local(spec: str) -> bool:
     return spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)
 
 
-def _data_files(spec: str, path: str) -> list[str]:
+def _data_files(spec: str, path: str, flag: str) -> list[str]:
     """The file itself, or a folder's data files (sorted, not recursive)."""
     if not os.path.isdir(path):
         if not path.lower().endswith(DATA_SUFFIXES):
-            raise DataError(f"--dataset {spec}: unsupported file type; use {', '.join(DATA_SUFFIXES)}")
+            raise DataError(f"{flag} {spec}: unsupported file type; use {', '.join(DATA_SUFFIXES)}")
         return [path]
     names = sorted(n for n in os.listdir(path) if n.lower().endswith(DATA_SUFFIXES))
     files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
     if not files:
-        raise DataError(f"--dataset {spec}: folder has no {'/'.join(DATA_SUFFIXES)} files; check the path")
+        raise DataError(f"{flag} {spec}: folder has no {'/'.join(DATA_SUFFIXES)} files; check the path")
     return files
 
 
@@ -274,7 +277,7 @@ def _read_parquet(path: str, skip: bool, skipped: Counter) -> Pairs:
     return _accept_all(table.to_pylist(), path, skip, skipped)
 
 
-def _read_hub(spec: str, split: str, skip: bool, skipped: Counter) -> Pairs:
+def _read_hub(spec: str, split: str, skip: bool, skipped: Counter, flag: str) -> Pairs:
     """A Hugging Face hub dataset, ``name``, ``name@split`` or ``name:split``."""
     name, split = _hub_name_and_split(spec, split)
     try:
@@ -283,7 +286,7 @@ def _read_hub(spec: str, split: str, skip: bool, skipped: Counter) -> Pairs:
         table = datasets.load_dataset(name, split=split)
     except Exception as err:  # network, auth, missing split: all end the same way for the user
         raise DataError(
-            f"--dataset {spec}: no local file or folder of that name exists, so it was treated as a Hugging "
+            f"{flag} {spec}: no local file or folder of that name exists, so it was treated as a Hugging "
             f"Face hub dataset ({name!r}, split {split!r}) and loading failed: {type(err).__name__}: {err}. "
             "Check the local path, or the hub name and split; this machine may have no network access"
         ) from err

@@ -51,13 +51,20 @@ def prompt_text(value, tokenizer, source: str, input_key: str, apply_chat_templa
 
 def tokenize_prompts(rows: Rows, tokenizer, input_key: str = "prompt", apply_chat_template: bool = False,
                      input_template: str | None = None, prompt_max_len: int = 1024,
-                     skip_bad_samples: bool = False) -> tuple[list[Prompt], Counter]:
-    """Every usable row's prompt, in row order, and why rows were left out (``Counter`` of reasons)."""
+                     skip_bad_samples: bool = False, label_key: str | None = None) -> tuple[list[Prompt], Counter]:
+    """Every usable row's prompt, in row order, and why rows were left out (``Counter`` of reasons). With
+    ``label_key`` (``--label_key``) every row must hold a reference answer: checked here, before any rollout."""
     prompts, left_out = [], Counter()
     for row, source in zip(rows.rows, rows.sources):
         if input_key not in row:
             skip_or_raise(DataError(f"{source}: no '{input_key}' key (keys: {', '.join(map(str, row))}); point "
                                     "--input_key at the prompt or pass --skip_bad_samples", reason="no prompt"),
+                          skip_bad_samples, left_out)
+            continue
+        if label_key is not None and row.get(label_key) is None:
+            skip_or_raise(DataError(f"{source}: no '{label_key}' (--label_key {label_key}, the reference answer "
+                                    f"rewards get; keys: {', '.join(map(str, row))}); add it to the row, point "
+                                    "--label_key at the answer's key, or pass --skip_bad_samples", reason="no label"),
                           skip_bad_samples, left_out)
             continue
         try:

@@ -30,7 +30,6 @@ that name on export.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -79,12 +78,12 @@ class PackedValueModel(torch.nn.Module):
         return getattr(self.model, HEAD)(hidden_states(self.model, batch)).float()[:, 0]
 
 
-def describe_model(pretrain: str) -> str:
-    """What a model folder holds, in words: its architectures and labels (for errors about the wrong kind)."""
-    path = Path(pretrain) / "config.json"
-    config = json.loads(path.read_text()) if path.exists() else {}
-    labels = len(config.get("id2label", {})) or config.get("num_labels", "?")
-    return f"{', '.join(config.get('architectures') or ['no architectures'])} with {labels} label(s)"
+def describe_model(config) -> str:
+    """What a model config holds, in words: its architectures and labels (for errors about the wrong kind).
+
+    ``num_labels`` from the loaded config: a saved config.json may hold only ``id2label``, or neither (then
+    transformers' default of 2), and the count shown is the one the model would load with."""
+    return f"{', '.join(config.architectures or ['no architectures'])} with {config.num_labels} label(s)"
 
 
 def check_reward_model(pretrain: str, flag: str = "--reward_pretrain") -> None:
@@ -94,7 +93,7 @@ def check_reward_model(pretrain: str, flag: str = "--reward_pretrain") -> None:
     config = load_model_config(pretrain, flag)
     heads = [a for a in (config.architectures or []) if a.endswith("ForSequenceClassification")]
     if not heads or config.num_labels != 1:
-        raise ModelLoadError(f"{flag} {pretrain}: not a reward model: it is {describe_model(pretrain)}, but a reward "
+        raise ModelLoadError(f"{flag} {pretrain}: not a reward model: it is {describe_model(config)}, but a reward "
                              "model is a *ForSequenceClassification with 1 label and a value head; train one with "
                              "openpack train_rm, or pass a causal LM as --pretrain to train_rm for a new head")
 

@@ -62,6 +62,7 @@ class RLSettings:
     reward_clip_range: tuple[float, float] | None = None
     dynamic_filtering: bool = False  # DAPO's dynamic sampling
     dynamic_filtering_reward_range: tuple[float, float] | None = None
+    dynamic_filtering_max_empty_steps: int = 3  # rollout batches in a row that keep no group: stop
     async_staleness: int = 0  # --max_staleness under --async_train: rollouts may be this many versions old
 
     @property

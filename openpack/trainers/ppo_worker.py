@@ -39,8 +39,8 @@ from openpack.models.lora import apply_lora, is_lora
 from openpack.trainers import demo, reference
 from openpack.trainers.generation import Generator, RolloutPipeline, make_generator, vllm_options  # noqa: F401
 from openpack.trainers.ppo import RLSettings, Rollouts, rollout_metrics, shaped_rewards, shared_rewards, train_on
-from openpack.trainers.rewards import (checked, exact_match, exact_match_reward, load_reward_fn, remote_reward,
-                                       reward_models)
+from openpack.trainers.rewards import (RewardError, checked, exact_match, exact_match_reward, load_reward_fn,
+                                       remote_reward, reward_models)
 from openpack.distributed.checkpoint import save_hf_model
 from openpack.trainers.colocation import Colocation
 from openpack.trainers.run import TrainingRun, start_worker
@@ -71,11 +71,12 @@ def updates_per_rollout(rollout_cfg, train_cfg) -> int:
 
 def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str]) -> list[Prompt]:
     """The prompts of --prompt_data (mixed by --prompt_data_probs, cut to --max_samples), tokenized."""
-    rows = load_rows(datasets, data_cfg.prompt_data_probs, seed, data_cfg.skip_bad_samples)
+    rows = load_rows(datasets, data_cfg.prompt_data_probs, seed, data_cfg.skip_bad_samples, flag="--prompt_data")
     if data_cfg.max_samples is not None:
         rows.rows, rows.sources = rows.rows[:data_cfg.max_samples], rows.sources[:data_cfg.max_samples]
     prompts, left_out = tokenize_prompts(rows, tokenizer, data_cfg.input_key, data_cfg.apply_chat_template,
-                                         data_cfg.input_template, data_cfg.prompt_max_len, data_cfg.skip_bad_samples)
+                                         data_cfg.input_template, data_cfg.prompt_max_len, data_cfg.skip_bad_samples,
+                                         data_cfg.label_key)
     left_out += rows.skipped
     if left_out:
         logger.warning("prompts: %d used, %s left out", len(prompts),
@@ -91,11 +92,12 @@ def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
     if rl_cfg.reward_pretrain:
         combine = load_reward_fn(rl_cfg.reward_fn) if rl_cfg.reward_fn else None
         return checked(reward_models(scorers, rl_cfg.reward_pretrain, rl_cfg.reward_weights, combine))
+    timeout = rl_cfg.reward_timeout or None  # reward models are not cut off: their speed is the trainer's
     if rl_cfg.reward_fn:
-        return checked(load_reward_fn(rl_cfg.reward_fn))
+        return checked(load_reward_fn(rl_cfg.reward_fn), timeout)
     if rl_cfg.remote_rm_url:
         return checked(remote_reward(rl_cfg.remote_rm_url, rl_cfg.remote_rm_timeout, label_key=data_cfg.label_key
-                                     or "label"))
+                                     or "label"), timeout)
     if data_cfg.label_key:
         return checked(exact_match(data_cfg.label_key))
     if is_demo:
@@ -114,7 +116,7 @@ def rl_settings(rollout_cfg, rl_cfg, train_cfg) -> RLSettings:
                       rl_cfg.freezing_actor_steps, rl_cfg.overlong_buffer_len, rl_cfg.overlong_penalty_factor,
                       tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None, rl_cfg.dynamic_filtering,
                       tuple(rl_cfg.dynamic_filtering_reward_range) if rl_cfg.dynamic_filtering_reward_range else None,
-                      async_staleness=async_staleness(rollout_cfg))
+                      rl_cfg.dynamic_filtering_max_empty_steps, async_staleness=async_staleness(rollout_cfg))
 
 
 def async_staleness(rollout_cfg) -> int:
@@ -180,11 +182,13 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     critic = critic_engine(rl_cfg, model_cfg, train_cfg, pretrain, tokenizer, dist, optimizer_steps) \
         if settings.critic else None
     kl_ctl = kl_controller(rl_cfg.init_kl_coef, rl_cfg.target_kl, rl_cfg.kl_horizon)
+    empty = EmptySteps()
     run = TrainingRun(model, tokenizer, rank_plan, model_cfg, train_cfg, out_cfg, dist, save_config,
                       optimizer_steps=optimizer_steps, companions={"critic": critic} if critic else None,
-                      extra_state=lambda: {"kl_controller": kl_ctl.state_dict()})
+                      extra_state=lambda: {"kl_controller": kl_ctl.state_dict(), "empty_steps": empty.in_a_row})
     if "kl_controller" in run.resumed_state:
         kl_ctl.load_state_dict(run.resumed_state["kl_controller"])
+    empty.in_a_row = run.resumed_state.get("empty_steps", 0)  # a resumed run stops where the uninterrupted one would
     scorers = {}
     if settings.needs_old_pass:
         scorers["old"] = run.engine
@@ -212,7 +216,7 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     if sync is not None and colocation is None and run.position.global_step:  # resumed: the engines still hold
         _push(sync, run.engine, model_cfg.zero_stage, dist)  # the starting weights (colocated: pushed at each wake)
     loop = RLLoop(run, pipeline, sync, reward, scorers, settings, prompts, schedule, model_cfg, train_cfg,
-                  tokenizer, dist, critic, kl_ctl, colocation)
+                  tokenizer, dist, critic, kl_ctl, colocation, empty)
     step = functools.partial(_rl_step, loop)
     with run.tracker:
         if demo_model is not None:
@@ -314,6 +318,14 @@ class RLLoop:
     critic: object = None
     kl_ctl: object = None
     colocation: Colocation | None = None  # --colocate_all_models: engines wake, get weights, generate, sleep
+    empty_steps: EmptySteps | None = None  # --dynamic_filtering: rollout batches in a row that kept no group
+
+
+@dataclass
+class EmptySteps:
+    """How many rollout batches in a row dynamic filtering left with no group to learn from (checkpointed)."""
+
+    in_a_row: int = 0
 
 
 def _rl_step(loop: RLLoop, planned: RankStep) -> dict:
@@ -331,6 +343,10 @@ def _rl_step(loop: RLLoop, planned: RankStep) -> dict:
     if settings.dynamic_filtering:
         rollouts, filter_metrics = _dynamically_filtered(loop, step, batch_prompts, rollouts)
         reward_metrics.update(filter_metrics)
+        if not _kept_any(loop, step, filter_metrics):  # every advantage would be 0: no update, no weight sync
+            return {**rollout_metrics(rollouts, generation_s), **reward_metrics, "optimizer_steps": 0,
+                    "time/reward": time.perf_counter() - reward_start, "lr": run.engine.get_lr()[0],
+                    "step_time_s": time.perf_counter() - start}
     reward_s = time.perf_counter() - reward_start
     step_settings = replace(settings, kl_coef=loop.kl_ctl.value) if settings.reward_kl else settings
     metrics, timings = train_on(rollouts, run.engine, loop.scorers, step_settings, loop.train_cfg, dist,
@@ -391,9 +407,39 @@ def _dynamically_filtered(loop: RLLoop, step: int, prompts: list[Prompt], rollou
         _reward(loop, prompts, rollouts, f"rollout batch {step + 1}, refill {rounds}")
     short = max(wanted - len(kept), 0)
     groups = kept[:wanted] + spare[:short]
-    metrics = {"dynamic_filtering/dropped_groups": float(dropped), "dynamic_filtering/refill_rounds": float(rounds),
+    metrics = {"dynamic_filtering/kept_groups": float(min(len(kept), wanted)),
+               "dynamic_filtering/dropped_groups": float(dropped), "dynamic_filtering/refill_rounds": float(rounds),
                "dynamic_filtering/short_groups": float(short)}
     return Rollouts.concat(groups), metrics
+
+
+def _kept_any(loop: RLLoop, step: int, metrics: dict) -> bool:
+    """Say on the console what dynamic filtering kept; False when it kept no group (the step's update is skipped),
+    and a RewardError after --dynamic_filtering_max_empty_steps such rollout batches in a row."""
+    kept, wanted = int(metrics["dynamic_filtering/kept_groups"]), len(loop.schedule[step])
+    limit, empty = loop.settings.dynamic_filtering_max_empty_steps, loop.empty_steps
+    empty.in_a_row = 0 if kept else empty.in_a_row + 1
+    line = (f"rollout batch {step + 1}: dynamic filtering kept {kept} of {wanted} groups "
+            f"({int(metrics['dynamic_filtering/dropped_groups'])} dropped over "
+            f"{int(metrics['dynamic_filtering/refill_rounds'])} refill rounds)")
+    if not kept:
+        line += f"; no update: every group was dropped ({empty.in_a_row} of {limit} such batches in a row)"
+    if loop.dist.is_main:
+        loop.run.tracker.message(line)
+    if empty.in_a_row >= limit:
+        name, bounds = getattr(loop.reward, "reward_name", "the reward"), _typed_range(loop.settings)
+        outside = f" (or means outside --dynamic_filtering_reward_range {bounds})" if bounds else ""
+        raise RewardError(f"--dynamic_filtering: {limit} rollout batches in a row kept no group "
+                          f"(--dynamic_filtering_max_empty_steps {limit}): {name} gives equal rewards to every "
+                          f"completion of a prompt{outside}, so nothing can be learned; check the reward"
+                          f"{' and --dynamic_filtering_reward_range' if bounds else ''}, or drop --dynamic_filtering")
+    return kept > 0
+
+
+def _typed_range(settings: RLSettings) -> str:
+    """--dynamic_filtering_reward_range as typed, or '' when none was given."""
+    bounds = settings.dynamic_filtering_reward_range
+    return f"{bounds[0]:g} {bounds[1]:g}" if bounds else ""
 
 
 def _gathered(engine, zero_stage: int, needed: bool):

@@ -3,13 +3,16 @@
 Every source is one callable, ``reward(prompts, completions, rows) -> one float per completion``, called on
 a whole rollout batch (``rows`` are the prompts' dataset rows, for labels and other columns). ``checked``
 wraps any source so that a reward that raises, returns NaN or infinity, or returns the wrong number of
-values stops the run with a message naming the source and the batch, not a traceback from the trainer.
+values stops the run with a message naming the source, the batch and what came back (the count, or the bad
+value and its index), not a traceback from the trainer; ``--reward_timeout`` bounds one call of a function or
+a server.
 
 * ``--reward_fn path.py:function``: a Python function in a file, imported once.
 * ``--remote_rm_url http://host:port/path``: OpenRLHF's protocol, a JSON POST
   ``{"query": [prompt + completion, ...], "prompts": [...], "labels": [...]}`` answered with
   ``{"rewards": [...]}``; each request has a timeout, failures are retried a bounded number of times with
-  a growing pause, and a server that is down or hangs ends the run with one line naming the URL.
+  a growing pause, and a server that is down or hangs ends the run with one line naming the URL; an error
+  status or a body that is not that JSON ends it quoting the status and the body's first bytes.
 * ``--reward_pretrain DIR [DIR ...]``: reward models saved by ``openpack train_rm`` score the token ids of
   prompt + completion, normalised as their config says; several are summed with ``--reward_weights`` or
   combined by ``--reward_fn`` (called with ``rm_scores=[[...] per model]``).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -58,30 +62,64 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 def remote_reward(url: str, timeout_s: float = 60.0, retries: int = 3, pause_s: float = 1.0,
                   label_key: str = "label") -> RewardFn:
-    """A reward source that POSTs each batch to ``url`` (OpenRLHF's JSON protocol; see the module docstring)."""
+    """A reward source that POSTs each batch to ``url`` (OpenRLHF's JSON protocol; see the module docstring).
+
+    A refused connection, a timeout, HTTP 429 or 5xx is retried; any other answer is final: HTTP 4xx (the same
+    request fails again) and a body that is not ``{"rewards": [...]}`` end the run with the status or the body's
+    first bytes."""
 
     def reward(prompts, completions, rows):
         payload = {"query": [p + c for p, c in zip(prompts, completions)], "prompts": list(prompts),
                    "labels": [row.get(label_key) for row in rows]}
         request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
-        failures = []
+        failures, hint = [], "check that the reward server is up and reachable"
         for attempt in range(retries + 1):
             try:
                 with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-                    body = json.loads(answer.read())
-                if not isinstance(body, dict) or "rewards" not in body:
-                    raise RewardError(f"--remote_rm_url {url}: the answer has no 'rewards' list: {str(body)[:200]}")
-                return body["rewards"]
-            except (urllib.error.URLError, TimeoutError, OSError, ValueError) as err:
+                    return _rewards_in(url, answer.read())
+            except urllib.error.HTTPError as err:  # before URLError, its base: the server answered
+                status = f"HTTP {err.code} {err.reason}, body {_first_bytes(_body(err))}"
+                if err.code < 500 and err.code != 429:
+                    raise RewardError(f"--remote_rm_url {url}: answered {status}; fix the request the server "
+                                      "refuses (see its log) or the URL") from err
+                failures.append(status)
+                hint = "the server failed on this batch: see its log"
+            except (urllib.error.URLError, TimeoutError, OSError) as err:
                 failures.append(f"{type(err).__name__}: {getattr(err, 'reason', err)}")
-                if attempt < retries:
-                    time.sleep(pause_s * 2 ** attempt)
+            if attempt < retries:
+                time.sleep(pause_s * 2 ** attempt)
         raise RewardError(f"--remote_rm_url {url}: no answer after {retries + 1} tries ({failures[-1]}; timeout "
-                          f"{timeout_s:g} s each); check that the reward server is up and reachable")
+                          f"{timeout_s:g} s each); {hint}")
 
     reward.reward_name = f"--remote_rm_url {url}"
     return reward
+
+
+def _rewards_in(url: str, raw: bytes):
+    """The ``rewards`` of a server's answer; anything else is a RewardError quoting the body's first bytes."""
+    try:
+        body = json.loads(raw)
+    except ValueError as err:
+        raise RewardError(f"--remote_rm_url {url}: the answer is not JSON ({err}): {_first_bytes(raw)}; answer "
+                          '{"rewards": [one number per query]}') from err
+    if not isinstance(body, dict) or not isinstance(body.get("rewards"), list):
+        raise RewardError(f"--remote_rm_url {url}: the answer has no 'rewards' list: {_first_bytes(raw)}; answer "
+                          '{"rewards": [one number per query]}')
+    return body["rewards"]
+
+
+def _body(err: urllib.error.HTTPError) -> bytes:
+    try:
+        return err.read()
+    except OSError:
+        return b""
+
+
+def _first_bytes(raw: bytes, limit: int = 200) -> str:
+    """A body as one quoted line: its first ``limit`` bytes, and how many there were in all."""
+    text = repr(raw[:limit].decode("utf-8", errors="replace"))
+    return text if len(raw) <= limit else f"{text}... ({len(raw)} bytes)"
 
 
 def exact_match(label_key: str) -> RewardFn:
@@ -121,31 +159,70 @@ def reward_models(scorers: list, names: list[str], weights: list[float] | None =
     return reward
 
 
-def checked(source: RewardFn) -> Callable[..., list[float]]:
+def checked(source: RewardFn, timeout_s: float | None = None) -> Callable[..., list[float]]:
     """``source`` called on a batch, its answer checked: one finite number per completion, else a RewardError.
-    A source marked ``takes_sequences`` (reward models) also gets each prompt + completion's token ids."""
+    A source marked ``takes_sequences`` (reward models) also gets each prompt + completion's token ids.
+    ``timeout_s`` (``--reward_timeout``) bounds one call; see ``within``."""
     name = getattr(source, "reward_name", getattr(source, "__name__", repr(source)))
     extra = ("sequences",) if getattr(source, "takes_sequences", False) else ()
 
     def reward(prompts, completions, rows, batch: str = "this batch", sequences=None) -> list[float]:
         try:
-            values = source(prompts, completions, rows, *(sequences for _ in extra))
+            values = within(timeout_s, lambda: source(prompts, completions, rows, *(sequences for _ in extra)),
+                            f"{name} gave no answer within --reward_timeout {timeout_s or 0:g} s on {batch} "
+                            f"({len(completions)} completions); make it faster or raise --reward_timeout")
         except RewardError:
             raise
         except Exception as err:  # a user's reward function: name it and the batch, keep the cause
             raise RewardError(f"{name} raised {type(err).__name__}: {err} (on {batch}, {len(completions)} "
                               "completions)") from err
-        try:
-            values = [float(v) for v in values]
-        except (TypeError, ValueError) as err:
-            raise RewardError(f"{name} returned {str(values)[:120]!r} on {batch}: expected one number per "
-                              "completion") from err
+        if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+            raise RewardError(f"{name} returned {str(values)[:120]!r} on {batch}: expected a list of one number "
+                              "per completion")
+        values = list(values)  # a generator, a tensor or an array as well
         if len(values) != len(completions):
             raise RewardError(f"{name} returned {len(values)} rewards for {len(completions)} completions on {batch}")
-        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        numbers = []
+        for i, value in enumerate(values):
+            try:
+                if isinstance(value, (str, bytes)):  # float("0.5") would pass: a text is a bug in the source
+                    raise TypeError
+                numbers.append(float(value))
+            except (TypeError, ValueError) as err:
+                raise RewardError(f"{name} returned {str(value)[:60]!r} (a {type(value).__name__}) for completion "
+                                  f"{i} of {batch}: every reward must be a number") from err
+        bad = [i for i, v in enumerate(numbers) if not math.isfinite(v)]
         if bad:
-            raise RewardError(f"{name} returned {values[bad[0]]} for completion {bad[0]} of {batch} "
+            raise RewardError(f"{name} returned {numbers[bad[0]]} for completion {bad[0]} of {batch} "
                               f"({len(bad)} not finite): every reward must be a finite number")
-        return values
+        return numbers
 
+    reward.reward_name = name
     return reward
+
+
+def within(timeout_s: float | None, call: Callable, message: str):
+    """``call()``, or a RewardError with ``message`` when it has not returned after ``timeout_s`` seconds.
+
+    The call runs in a daemon thread, the only way to stop waiting for a Python function that hangs; the thread
+    is left behind, and the run ends. ``None`` calls it here, in this thread (``--reward_timeout 0``: for a
+    function whose own timeouts use ``signal.alarm``, which works only in the main thread).
+    """
+    if timeout_s is None:
+        return call()
+    result = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except BaseException as err:  # handed to the caller's thread as it was raised
+            result["error"] = err
+
+    thread = threading.Thread(target=run, name="openpack-reward", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardError(message)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

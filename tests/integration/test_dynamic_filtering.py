@@ -41,18 +41,20 @@ def test_uniform_groups_are_dropped_and_replaced(filtered_run):
     assert sum(m["dynamic_filtering/dropped_groups"] for m in metrics) > 0  # the random policy makes some
     for m in metrics:
         assert m["dynamic_filtering/short_groups"] == 0  # each batch was refilled to 4 groups that disagree
+        assert m["dynamic_filtering/kept_groups"] == 4
         assert m["reward_std"] > 0 and 0 < m["reward"] < 1
         assert m["optimizer_steps"] == 2  # a full batch: 16 completions in steps of 8
 
 
-def test_a_reward_that_never_differs_leaves_the_batch_short_and_says_so(tmp_path, ppo_models):
+def test_a_reward_that_never_differs_keeps_nothing_and_skips_the_update(tmp_path, ppo_models):
     """Every group of every round is uniform: 4 groups dropped in the batch and in each of the 4 refill rounds,
-    and the batch is trained on 4 dropped groups (zero advantages), counted as short."""
-    for m in read_metrics(grpo(tmp_path, ppo_models, "constant")):
+    none kept, and the step's update is skipped (every advantage would be 0). --dynamic_filtering_max_empty_steps 4
+    lets the 3 steps run; test_rl_bad_input.py has the default stopping the run."""
+    for m in read_metrics(grpo(tmp_path, ppo_models, "constant", "--dynamic_filtering_max_empty_steps", "4")):
         assert m["dynamic_filtering/dropped_groups"] == 4 * 5
         assert m["dynamic_filtering/refill_rounds"] == 4
-        assert m["dynamic_filtering/short_groups"] == 4
-        assert m["advantages/std"] == 0
+        assert m["dynamic_filtering/kept_groups"] == 0
+        assert m["optimizer_steps"] == 0 and "policy_loss" not in m
 
 
 def test_resumed_run_draws_the_same_replacements(filtered_run, tmp_path, ppo_models):

@@ -92,7 +92,7 @@ def test_a_model_that_is_no_reward_model_is_named(tiny_pretrain, rows_jsonl, cap
     assert score.main(["--reward_pretrain", tiny_pretrain, "--dataset", str(rows_jsonl)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"openpack score: --reward_pretrain {tiny_pretrain}: not a reward model: it is "
-                          "LlamaForCausalLM"), err
+                          "LlamaForCausalLM with 2 label(s)"), err  # transformers' default: config.json has none
 
 
 def test_a_row_with_nothing_to_score_is_named(reward_model, tmp_path, capsys):

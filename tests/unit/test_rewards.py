@@ -2,15 +2,14 @@
 checks that name a bad source and batch instead of a traceback. The remote server is a real HTTP server on
 127.0.0.1 in a thread; a closed port and a server that never answers are the failures."""
 
-import http.server
-import json
+import re
 import socket
-import threading
 import time
 
 import pytest
 
 from openpack.trainers.rewards import RewardError, checked, exact_match_reward, load_reward_fn, remote_reward
+from reward_server import RewardServer
 
 PROMPTS, COMPLETIONS = ["1+2=", "07+35="], ["3", "it is 42"]
 ROWS = [{"prompt": "1+2=", "response": "3", "label": 3}, {"prompt": "07+35=", "response": "42", "label": 42}]
@@ -34,57 +33,19 @@ def test_a_reward_function_from_a_file(tmp_path):
     ("raise KeyError('label')", "rule.py:bad raised KeyError: 'label' (on step 3"),
     ("return [1.0]", "rule.py:bad returned 1 rewards for 2 completions on step 3"),
     ("return [1.0, float('nan')]", "rule.py:bad returned nan for completion 1 of step 3"),
-    ("return ['high', 1]", "rule.py:bad returned \"['high', 1]\" on step 3"),
+    ("return [float('-inf'), 1.0]", "rule.py:bad returned -inf for completion 0 of step 3"),
+    ("return [1, 'high']", "rule.py:bad returned 'high' (a str) for completion 1 of step 3"),
+    ("return [1, '0.5']", "rule.py:bad returned '0.5' (a str) for completion 1 of step 3"),
+    ("return 1.0", "rule.py:bad returned '1.0' on step 3: expected a list"),
 ])
 def test_a_bad_reward_names_the_function_and_the_batch(tmp_path, body, message):
     (tmp_path / "rule.py").write_text(f"def bad(prompts, completions, rows):\n    {body}\n")
-    with pytest.raises(RewardError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(RewardError, match=re.escape(message)):
         checked(load_reward_fn(f"{tmp_path}/rule.py:bad"))(PROMPTS, COMPLETIONS, ROWS, batch="step 3")
 
 
-class _Server:
-    """An HTTP reward server on loopback answering each POST with ``answer(payload)`` after ``delay`` seconds.
-
-    ``close`` cuts a delay short and waits for every request's thread: a client that gave up (the hanging server's
-    test) is answered into a closed socket, and that BrokenPipeError is swallowed, not printed by a thread still
-    asleep when pytest has moved on or ended.
-    """
-
-    def __init__(self, answer, delay=0.0):
-        outer = self
-        self.requests, self.handlers, self.closing = [], [], threading.Event()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                outer.handlers.append(threading.current_thread())
-                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append(payload)
-                outer.closing.wait(delay)
-                body = json.dumps(answer(payload)).encode()
-                try:
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client timed out and left
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = False  # so server_close joins the request threads
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}/score"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.closing.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def test_openrlhf_protocol_round_trip():
-    server = _Server(lambda payload: {"rewards": [float(len(q)) for q in payload["query"]]})
+    server = RewardServer(lambda payload: {"rewards": [float(len(q)) for q in payload["query"]]})
     try:
         assert checked(remote_reward(server.url))(PROMPTS, COMPLETIONS, ROWS) == [5.0, 14.0]
         assert server.requests == [{"query": ["1+2=3", "07+35=it is 42"], "prompts": PROMPTS, "labels": [3, 42]}]
@@ -100,7 +61,7 @@ def test_a_server_that_is_down_or_hangs_is_cut_off(capfd):
     with pytest.raises(RewardError, match=r"no answer after 3 tries .*check that the reward server is up"):
         remote_reward(closed, timeout_s=1, retries=2, pause_s=0.05)(PROMPTS, COMPLETIONS, ROWS)
     assert time.monotonic() - start < 5
-    hanging = _Server(lambda payload: {"rewards": [0.0, 0.0]}, delay=5)
+    hanging = RewardServer(lambda payload: {"rewards": [0.0, 0.0]}, delay=5)
     try:
         start = time.monotonic()
         with pytest.raises(RewardError, match="timeout 0.5 s each"):
@@ -113,9 +74,38 @@ def test_a_server_that_is_down_or_hangs_is_cut_off(capfd):
 
 
 def test_an_answer_without_rewards_is_named():
-    server = _Server(lambda payload: {"scores": [1, 2]})
+    server = RewardServer(lambda payload: {"scores": [1, 2]})
     try:
         with pytest.raises(RewardError, match="the answer has no 'rewards' list"):
             remote_reward(server.url, retries=0)(PROMPTS, COMPLETIONS, ROWS)
     finally:
         server.close()
+
+
+def test_a_reward_function_that_hangs_is_cut_off_by_its_timeout(tmp_path):
+    """--reward_timeout bounds one call: the function runs in a thread, and the run stops waiting for it."""
+    (tmp_path / "rule.py").write_text("import time\ndef slow(prompts, completions, rows):\n    time.sleep(10)\n")
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"rule.py:slow gave no answer within --reward_timeout 0.5 s on step 3 "
+                                          r"\(2 completions\)"):
+        checked(load_reward_fn(f"{tmp_path}/rule.py:slow"), 0.5)(PROMPTS, COMPLETIONS, ROWS, batch="step 3")
+    assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("reply,tries,message", [
+    ((422, b'{"detail": "labels missing"}'), 1,
+     'answered HTTP 422 Unprocessable Entity, body \'{"detail": "labels missing"}\'; fix the request'),
+    ((503, b"overloaded"), 3, "no answer after 3 tries (HTTP 503 Service Unavailable, body 'overloaded'"),
+    ((200, b"<html>" + b"x" * 300), 1, "the answer is not JSON (Expecting value: line 1 column 1 (char 0)): "
+                                       "'<html>xxx"),
+])
+def test_a_server_error_says_what_came_back(reply, tries, message):
+    """A 4xx is final, a 5xx is retried, a body that is not JSON is quoted (its first 200 bytes, then its size)."""
+    with RewardServer(lambda payload: reply) as server:
+        with pytest.raises(RewardError) as err:
+            remote_reward(server.url, retries=2, pause_s=0.01)(PROMPTS, COMPLETIONS, ROWS)
+    assert message in str(err.value), str(err.value)
+    assert "check that the reward server is up" not in str(err.value)
+    assert len(server.requests) == tries
+    if reply[1].startswith(b"<html>"):
+        assert str(err.value).count("x") < 220 and "(306 bytes)" in str(err.value)

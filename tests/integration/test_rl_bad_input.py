@@ -1,0 +1,157 @@
+"""Bad input to ``openpack train_grpo`` (issue 24, item 2): a reward that answers nonsense or hangs, a --label_key
+missing from a row, a dynamic filter that keeps nothing, a bad --prompt_data. Each ends the run with one line on
+stderr that says what came back and which flag to fix, an exit code (2 before any work starts, 1 during the run)
+and no traceback.
+
+The runs are tiny: a random tiny Llama, HF rollouts in this process (--launcher local), 2 prompts x 2 completions
+of up to 4 tokens per rollout batch; most stop at the first reward call.
+"""
+
+import json
+import threading
+
+import pytest
+
+from openpack.cli import train_grpo
+from reward_server import RewardServer
+from saved_runs import load_weights, read_metrics
+
+SMALL = ["--n_samples_per_prompt", "2", "--rollout_batch_size", "2", "--train_batch_size", "4",
+         "--generate_max_len", "4", "--prompt_max_len", "32", "--max_steps", "1", "--seed", "1",
+         "--rollout_backend", "hf", "--launcher", "local"]
+
+
+def grpo(rl_model, save_path, *flags, data=None):
+    return train_grpo.main(["--pretrain", str(rl_model / "model"), "--prompt_data",
+                            str(data or rl_model / "prompts.jsonl"), "--save_path", str(save_path), *SMALL, *flags])
+
+
+def last_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("body,message", [
+    ("return [1.0]", "returned 1 rewards for 4 completions on rollout batch 1"),
+    ("return [0.0, 1.0, float('nan'), 0.0]", "returned nan for completion 2 of rollout batch 1 (1 not finite): every "
+                                             "reward must be a finite number"),
+    ("return [0.0, 1.0, 2.0, 'good']", "returned 'good' (a str) for completion 3 of rollout batch 1: every reward "
+                                       "must be a number"),
+    ("time.sleep(20)", "gave no answer within --reward_timeout 1 s on rollout batch 1 (4 completions); make it "
+                       "faster or raise --reward_timeout"),
+])
+def test_a_reward_function_that_answers_badly_stops_the_run(body, message, rl_model, tmp_path, capsys):
+    (tmp_path / "rule.py").write_text(f"import time\ndef bad(prompts, completions, rows):\n    {body}\n")
+    assert grpo(rl_model, tmp_path / "out", "--reward_fn", f"{tmp_path}/rule.py:bad", "--reward_timeout", "1") == 1
+    assert last_line(capsys) == f"openpack train_grpo: --reward_fn {tmp_path}/rule.py:bad {message}"
+    if "sleep" in body:  # the run ended while the function still sleeps: it did not wait for it
+        assert any(t.name == "openpack-reward" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("reply,message", [
+    ((500, b"KeyError: 'labels'"), "no answer after 1 tries (HTTP 500 Internal Server Error, body \"KeyError: "
+                                   "'labels'\"; timeout 60 s each); the server failed on this batch: see its log"),
+    ((400, b'{"error": "bad query"}'), "answered HTTP 400 Bad Request, body '{\"error\": \"bad query\"}'; fix the "
+                                       "request the server refuses (see its log) or the URL"),
+    ((200, b"rewards: 1 2 3 4"), "the answer is not JSON (Expecting value: line 1 column 1 (char 0)): 'rewards: 1 2 "
+                                 "3 4'; answer {\"rewards\": [one number per query]}"),
+    ({"rewards": [1.0, 2.0, 3.0]}, "returned 3 rewards for 4 completions on rollout batch 1"),
+    ({"rewards": [1.0, 2.0, float("inf"), 4.0]}, "returned inf for completion 2 of rollout batch 1 (1 not finite)"),
+    ({"rewards": [1.0, "2.0", 3.0, 4.0]}, "returned '2.0' (a str) for completion 1 of rollout batch 1"),
+    ("hang", "gave no answer within --reward_timeout 1 s on rollout batch 1 (4 completions)"),
+])
+def test_a_reward_server_that_answers_badly_stops_the_run(reply, message, rl_model, tmp_path, capsys, monkeypatch):
+    from openpack.trainers import rewards
+
+    remote = rewards.remote_reward  # no retries: what the last try got is what the message shows
+    monkeypatch.setattr("openpack.trainers.ppo_worker.remote_reward", lambda *a, **k: remote(*a, retries=0, **k))
+    with RewardServer(lambda payload: reply, delay=20 if reply == "hang" else 0) as server:
+        code = grpo(rl_model, tmp_path, "--remote_rm_url", server.url, "--reward_timeout", "1")
+    assert code == 1
+    line = last_line(capsys)
+    assert line.startswith(f"openpack train_grpo: --remote_rm_url {server.url}"), line
+    assert message in line, line
+
+
+def test_a_row_without_the_label_is_named_when_the_data_loads(rl_model, tmp_path, capsys):
+    """Row 3 has no 'answer': the run stops while the prompts load, before any rollout or reward call."""
+    rows = [{"prompt": f"sort: {w}\n", "answer": "".join(sorted(w))} for w in ("cab", "fed", "ihg", "jba")]
+    del rows[2]["answer"]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert grpo(rl_model, tmp_path / "out", "--label_key", "answer", data=data) == 2
+    assert last_line(capsys) == (
+        f"openpack train_grpo: {data}:3: no 'answer' (--label_key answer, the reference answer rewards get; keys: "
+        "prompt); add it to the row, point --label_key at the answer's key, or pass --skip_bad_samples")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--prompt_data", "missing.jsonl"], "--prompt_data missing.jsonl: file not found"),
+    (["--prompt_data_probs", "0.5", "0.5"], "--prompt_data_probs has 2 values (0.5, 0.5) but --prompt_data has 1 "
+                                             "datasets"),
+])
+def test_data_errors_name_the_prompt_data_flag(flags, message, rl_model, tmp_path, capsys):
+    reward = f"{rl_model / 'reward.py'}:reward"
+    assert grpo(rl_model, tmp_path, "--reward_fn", reward, *flags) == 2
+    line = last_line(capsys)
+    assert message in line and "--dataset" not in line, line
+
+
+def test_a_causal_lm_as_reward_model_is_refused_before_the_run(rl_model, tmp_path, capsys):
+    """Checked with the flags, before the policy loads; the label count is the one transformers loads (2: its
+    default, as config.json holds none), not a placeholder."""
+    assert grpo(rl_model, tmp_path, "--reward_pretrain", str(rl_model / "model")) == 2
+    assert last_line(capsys) == (
+        f"openpack train_grpo: --reward_pretrain {rl_model / 'model'}: not a reward model: it is LlamaForCausalLM "
+        "with 2 label(s), but a reward model is a *ForSequenceClassification with 1 label and a value head; train "
+        "one with openpack train_rm, or pass a causal LM as --pretrain to train_rm for a new head")
+    assert not (tmp_path / "config.yaml").exists()
+
+
+CONSTANT = "def reward(prompts, completions, rows):\n    return [1.0 for c in completions]\n"
+
+
+def test_dynamic_filtering_that_keeps_nothing_skips_updates_then_stops(rl_model, tmp_path, capsys):
+    """A constant reward: every group of every refill round is dropped. Steps 1 and 2 say so on the console and
+    skip their update; step 3 is the third in a row (--dynamic_filtering_max_empty_steps 3, the default): exit 1."""
+    (tmp_path / "constant.py").write_text(CONSTANT)
+    flags = ["--reward_fn", f"{tmp_path}/constant.py:reward", "--dynamic_filtering", "--max_steps", "4",
+             "--save_steps", "1"]
+    assert grpo(rl_model, tmp_path / "out", *flags) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    for step, in_a_row in ((1, 1), (2, 2), (3, 3)):
+        assert (f"rollout batch {step}: dynamic filtering kept 0 of 2 groups (10 dropped over 4 refill rounds); no "
+                f"update: every group was dropped ({in_a_row} of 3 such batches in a row)") in out + err
+    assert err.strip().splitlines()[-1] == (
+        f"openpack train_grpo: --dynamic_filtering: 3 rollout batches in a row kept no group "
+        f"(--dynamic_filtering_max_empty_steps 3): --reward_fn {tmp_path}/constant.py:reward gives equal rewards to "
+        "every completion of a prompt, so nothing can be learned; check the reward, or drop --dynamic_filtering")
+    metrics = read_metrics(tmp_path / "out")
+    assert [(m["step"], m["optimizer_steps"]) for m in metrics] == [(1, 0), (2, 0)]
+
+
+def test_skipped_updates_leave_the_policy_as_it_was(rl_model, tmp_path):
+    """Every advantage is 0, but AdamW's weight decay would still move the weights, had an update run."""
+    (tmp_path / "constant.py").write_text(CONSTANT)
+    assert grpo(rl_model, tmp_path, "--reward_fn", f"{tmp_path}/constant.py:reward", "--dynamic_filtering",
+                "--max_steps", "2", "--learning_rate", "1e-2", "--weight_decay", "0.1") == 0
+    start = load_weights(rl_model)
+    for name, weight in load_weights(tmp_path).items():
+        assert weight.equal(start[name]), name
+
+
+def test_a_resumed_run_counts_the_empty_batches_before_it(rl_model, tmp_path, capsys):
+    """The count of empty rollout batches in a row is in the checkpoint: two empty batches, a checkpoint after each,
+    then a resume whose first batch is the third in a row stops the run, as the uninterrupted run would."""
+    (tmp_path / "constant.py").write_text(CONSTANT)
+    flags = ["--reward_fn", f"{tmp_path}/constant.py:reward", "--dynamic_filtering", "--save_steps", "1"]
+    assert grpo(rl_model, tmp_path / "out", *flags, "--max_steps", "2") == 0
+    capsys.readouterr()
+    assert grpo(rl_model, tmp_path / "out", *flags, "--max_steps", "4", "--load_checkpoint") == 1
+    out, err = capsys.readouterr()
+    assert "rollout batch 3: dynamic filtering kept 0 of 2 groups" in out + err
+    assert "(3 of 3 such batches in a row)" in out + err
+    assert "3 rollout batches in a row kept no group" in err.strip().splitlines()[-1]
