@@ -47,7 +47,7 @@ from harness import ModelSpec
 from openpack.core.packing import plan_packs
 from openpack.core.schedule import epoch_steps
 
-TRL_MICRO_BATCH = 8  # TRL's default per_device_train_batch_size (checked in the worker)
+TRL_MICRO_BATCH = 8  # TRL's default per_device_train_batch_size (checked in the worker; a spec's micro_batch overrides)
 OPENPACK_DEFAULT_CAP = 16384  # openpack's default --max_tokens_per_gpu, divided by --scale like the lengths
 ARMS = ("openpack", "TRL")
 SECTION = "dpo_vs_trl"
@@ -98,14 +98,15 @@ def trl_worker(spec_path: Path) -> int:
     policy = AutoModelForCausalLM.from_pretrained(spec["policy"], dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(spec["reference"], dtype=torch.float32)
     rows = [json.loads(line) for line in Path(spec["dataset"]).read_text().splitlines()]
+    micro_batch = spec.get("micro_batch", TRL_MICRO_BATCH)  # pairs
     args = DPOConfig(
         output_dir=spec["out"], use_cpu=True, bf16=False, report_to=[], disable_tqdm=True, save_strategy="no",
-        gradient_accumulation_steps=spec["pairs_per_step"] // TRL_MICRO_BATCH, max_steps=spec["steps"],
-        max_length=spec["max_length"], learning_rate=spec["learning_rate"], beta=spec["beta"],
+        per_device_train_batch_size=micro_batch, gradient_accumulation_steps=spec["pairs_per_step"] // micro_batch,
+        max_steps=spec["steps"], max_length=spec["max_length"], learning_rate=spec["learning_rate"], beta=spec["beta"],
         loss_type=["sigmoid"], lr_scheduler_type="constant", gradient_checkpointing=False,
         train_sampling_strategy="sequential", seed=spec["seed"],
     )
-    assert args.per_device_train_batch_size == TRL_MICRO_BATCH and not args.padding_free
+    assert DPOConfig.per_device_train_batch_size == TRL_MICRO_BATCH and not args.padding_free
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(rows),
                          processing_class=tokenizer)
     steps = harness.record_trl_steps(trainer, describe_micro_batch)

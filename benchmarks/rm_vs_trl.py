@@ -106,13 +106,15 @@ def trl_worker(spec_path: Path) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     rows = harness.read_jsonl(spec["dataset"])
+    micro_batch = spec.get("micro_batch", TRL_MICRO_BATCH)  # pairs
     args = RewardConfig(
         output_dir=spec["out"], use_cpu=True, bf16=False, report_to=[], disable_tqdm=True, save_strategy="no",
-        gradient_accumulation_steps=spec["pairs_per_step"] // TRL_MICRO_BATCH, max_steps=spec["steps"],
-        max_length=spec["max_length"], learning_rate=spec["learning_rate"], lr_scheduler_type="constant",
-        gradient_checkpointing=False, train_sampling_strategy="sequential", seed=spec["seed"],
+        per_device_train_batch_size=micro_batch, gradient_accumulation_steps=spec["pairs_per_step"] // micro_batch,
+        max_steps=spec["steps"], max_length=spec["max_length"], learning_rate=spec["learning_rate"],
+        lr_scheduler_type="constant", gradient_checkpointing=False, train_sampling_strategy="sequential",
+        seed=spec["seed"],
     )
-    assert args.per_device_train_batch_size == TRL_MICRO_BATCH and args.pad_to_multiple_of is None
+    assert RewardConfig.per_device_train_batch_size == TRL_MICRO_BATCH and args.pad_to_multiple_of is None
     assert args.center_rewards_coefficient is None and args.weight_decay == 0 and args.max_grad_norm == 1.0
     # the model as a path: TRL loads it itself (AutoModelForSequenceClassification, fp32, the saved head kept)
     trainer = RewardTrainer(model=spec["model"], args=args, train_dataset=Dataset.from_list(rows),

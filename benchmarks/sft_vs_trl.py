@@ -49,7 +49,7 @@ from harness import ModelSpec
 
 from openpack.core.schedule import epoch_steps
 
-TRL_MICRO_BATCH = 8  # TRL's default per_device_train_batch_size (checked in the worker)
+TRL_MICRO_BATCH = 8  # TRL's default per_device_train_batch_size (checked in the worker; a spec's micro_batch overrides)
 OPENPACK_DEFAULT_CAP = 16384  # openpack's default --max_tokens_per_gpu, divided by --scale like the lengths
 ARMS = ("openpack", "TRL packed", "TRL padded")
 SECTION = "sft_vs_trl"
@@ -131,10 +131,10 @@ def trl_worker(spec_path: Path) -> int:
         output_dir=spec["out"], use_cpu=True, bf16=False, report_to=[], disable_tqdm=True, save_strategy="no",
         packing=spec["packing"], max_length=spec["max_length"], gradient_accumulation_steps=spec["accumulation"],
         max_steps=spec["steps"], learning_rate=spec["learning_rate"], lr_scheduler_type="constant",
-        gradient_checkpointing=False, seed=spec["seed"],
+        gradient_checkpointing=False, seed=spec["seed"], per_device_train_batch_size=spec.get("micro_batch", TRL_MICRO_BATCH),
         train_sampling_strategy="random" if spec["packing"] else "sequential",
     )
-    assert args.per_device_train_batch_size == TRL_MICRO_BATCH and args.packing_strategy == "bfd"
+    assert TRL_MICRO_BATCH == SFTConfig.per_device_train_batch_size and args.packing_strategy == "bfd"
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
     assert trainer.padding_free == spec["packing"], "TRL's bfd packing should switch padding_free on"
     report = {"attn_implementation": model.config._attn_implementation}

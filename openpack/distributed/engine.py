@@ -12,9 +12,12 @@ which the trainer undoes by multiplying by the world size.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
+
+from openpack.models.memory import MEMORY_TRACE, mark_memory
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -43,9 +46,12 @@ class ZeroConfig:
     param_persistence_threshold: int = 100_000
 
 
-def deepspeed_config(zero: ZeroConfig, max_norm: float, world_size: int) -> dict:
+def deepspeed_config(zero: ZeroConfig, max_norm: float, world_size: int, num_params: int | None = None) -> dict:
     offload = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     zero_section = {"stage": zero.stage, "overlap_comm": False, "contiguous_gradients": True}
+    if num_params is not None:
+        bucket = bucket_elements(num_params)
+        zero_section.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if zero.stage == 3:
         zero_section["stage3_param_persistence_threshold"] = zero.param_persistence_threshold
     if zero.offload_optimizer:
@@ -64,6 +70,21 @@ def deepspeed_config(zero: ZeroConfig, max_norm: float, world_size: int) -> dict
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce and all-gather bucket, in elements
+
+
+def bucket_elements(num_params: int) -> int:
+    """ZeRO's reduce and all-gather bucket: DeepSpeed's default, but at most an eighth of the model.
+
+    ZeRO-2 copies every gradient into its reduce bucket before reducing it; the bucket's memory is resident up
+    to the gradients it has held, so a bucket larger than the model holds a full second copy of the gradients
+    (538 MB on a 135M fp32 model; DeepSpeed's 5e8 elements is 2 GB in fp32). An eighth of the model bounds that
+    to 1/8 of a copy, at 8 reductions a backward for a model under 4B parameters (issue 23). Bucketing only
+    groups the element-wise sums, so the numbers are the same.
+    """
+    return max(1, min(DEEPSPEED_BUCKET, num_params // 8))
 
 
 def lr_lambda(optim: OptimConfig):
@@ -103,14 +124,20 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
         eps=optim.adam_epsilon
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
+    mark_memory("before engine init")
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
         lr_scheduler=scheduler,
-        config=deepspeed_config(zero, optim.max_norm, world_size),
+        config=deepspeed_config(zero, optim.max_norm, world_size, trained),
     )
+    _share_fp32_master(engine.optimizer)
     if zero.stage == 3:
         gather_head_with_forward(engine.module)
+    mark_memory("engine init")
+    if os.environ.get(MEMORY_TRACE):
+        _trace_steps(engine)
     return engine
 
 
@@ -128,6 +155,52 @@ def gather_head_with_forward(module: torch.nn.Module) -> None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
         deepspeed.zero.register_external_parameter(module, head.weight)
+
+
+def _trace_steps(engine, steps: int = 2) -> None:
+    """``mark_memory`` after every forward, backward and optimizer step of the first ``steps`` steps."""
+    done = {"steps": 0}
+
+    def traced(name: str, call):
+        def wrapper(*args, **kwargs):
+            # DPO and RM call engine.step() after every micro-batch; only the one at the boundary updates
+            updates = name != "optimizer step" or engine.is_gradient_accumulation_boundary()
+            result = call(*args, **kwargs)
+            if done["steps"] < steps and updates:
+                mark_memory(f"step {done['steps'] + 1} {name}")
+                done["steps"] += name == "optimizer step"
+            return result
+        return wrapper
+
+    engine.forward = traced("forward", engine.forward)
+    engine.backward = traced("backward", engine.backward)
+    engine.step = traced("optimizer step", engine.step)
+
+
+def _share_fp32_master(optimizer) -> None:
+    """ZeRO-1/2 with fp32 weights: the optimizer's fp32 master partition becomes this rank's partition of the weights.
+
+    DeepSpeed clones each rank's share of the flat weights into an fp32 master copy, steps AdamW on it, then
+    copies it back into the weights; with fp32 weights that is a second copy of the same numbers (4 bytes a
+    parameter: 538 MB on a 135M model). Pointing the master at the weights' own partition makes AdamW update
+    the weights in place and the copy back a no-op (``copy_`` onto the same memory returns at once), so every
+    number is the same. Offload, bf16 and ZeRO-0/3 keep DeepSpeed's own layout (no such attribute, or other
+    dtypes or devices).
+    """
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", None)
+    partitions = getattr(optimizer, "parallel_partitioned_bit16_groups", None)
+    if masters is None or partitions is None or getattr(optimizer, "cpu_offload", True):
+        return
+    import deepspeed.comm as ds_dist
+
+    shared = False
+    for group, master in enumerate(masters):
+        own = partitions[group][ds_dist.get_rank(group=optimizer.real_dp_process_group[group])]
+        if (own.dtype, own.device, own.shape) == (master.dtype, master.device, master.shape):
+            master.data = own.data
+            shared = True
+    if shared:  # the fp32 views DeepSpeed keeps per parameter (_hp_mapping) still point at the old copies
+        optimizer._link_all_hp_params()
 
 
 def optimizer_step(engine) -> torch.Tensor | float:

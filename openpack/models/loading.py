@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from openpack.models.attention import register_packed_attention
+from openpack.models.memory import mark_memory
 
 
 class ModelLoadError(ValueError):
@@ -53,11 +54,13 @@ def load_causal_lm(pretrain: str, bf16: bool = False, gradient_checkpointing: bo
     ``load_in_4bit``: QLoRA's frozen 4-bit base on this process's GPU (``models.lora``)."""
     from transformers import AutoModelForCausalLM
 
+    mark_memory(f"before loading {flag}")
     model = _from_pretrained(
         AutoModelForCausalLM, pretrain, "model", flag,
         attn_implementation=register_packed_attention(), dtype=torch.bfloat16 if bf16 else torch.float32,
         **quantized(load_in_4bit, bf16),
     )
+    mark_memory(f"{flag} loaded")
     return prepare_for_training(model, gradient_checkpointing)
 
 

@@ -37,6 +37,7 @@ from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine
 from openpack.distributed.process import DistInfo, init_distributed
 from openpack.distributed.save_path import checkpoint_dir, claim, resumes, tag_step
 from openpack.models.attention import set_attention_backend
+from openpack.models.memory import mark_memory, return_freed_tensors_to_os
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers.batching import batching
 from openpack.trainers.tracking import Tracker
@@ -176,6 +177,7 @@ class TrainingRun:
         client_state = {**asdict(at), **(self.extra_state() if self.extra_state else {})}
         save_checkpoint(self.engine, self.tokenizer, self.ckpt_path, at.global_step, client_state,
                         self.out_cfg.max_ckpt_num, self.dist.is_main, self._state(at.global_step), self.companions)
+        mark_memory("checkpoint save")
 
     def train(self, step: Callable[[RankStep], dict], before_save: Callable[[], None] | None = None) -> Position:
         """Run the steps, then ``before_save()`` (e.g. a reward model's normalisation), then write the final model;
@@ -187,6 +189,7 @@ class TrainingRun:
             before_save()
         save_hf_model(self.engine, self.tokenizer, self.save_path / "model", self.dist.is_main,
                       adapter_dir=self.save_path / "adapter")  # LoRA: the merged model, and the adapter alone
+        mark_memory("final model save")
         self.tracker.message(f"model saved to {self.save_path / 'model'}")
         return self.position
 
@@ -212,6 +215,8 @@ def zero_config(model_cfg) -> ZeroConfig:
 def start_worker(model_cfg, seed: int) -> DistInfo:
     """Join the process group, set up logging (rank 0 talks), the attention backend and the seed."""
     dist = init_distributed()
+    if dist.device.type == "cpu":  # before the model loads: see return_freed_tensors_to_os
+        return_freed_tensors_to_os()
     logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING, format="%(message)s")
     set_attention_backend(model_cfg.attn_backend)
     torch.manual_seed(seed)
