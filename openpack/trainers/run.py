@@ -37,7 +37,7 @@ from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine
 from openpack.distributed.process import DistInfo, init_distributed
 from openpack.distributed.save_path import checkpoint_dir, claim, resumes, tag_step
 from openpack.models.attention import set_attention_backend
-from openpack.models.memory import mark_memory, return_freed_tensors_to_os
+from openpack.models.memory import mark_memory
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers.batching import batching
 from openpack.trainers.tracking import Tracker
@@ -215,8 +215,6 @@ def zero_config(model_cfg) -> ZeroConfig:
 def start_worker(model_cfg, seed: int) -> DistInfo:
     """Join the process group, set up logging (rank 0 talks), the attention backend and the seed."""
     dist = init_distributed()
-    if dist.device.type == "cpu":  # before the model loads: see return_freed_tensors_to_os
-        return_freed_tensors_to_os()
     logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING, format="%(message)s")
     set_attention_backend(model_cfg.attn_backend)
     torch.manual_seed(seed)
