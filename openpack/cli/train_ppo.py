@@ -251,6 +251,8 @@ def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) ->
             raise ConfigError(f"vLLM engines with {world} ranks run as Ray actors: use --launcher ray (not torchrun "
                               "or the deepspeed launcher; an engine inside a rank of a process group hangs), or "
                               "--rollout_backend hf")
+    if model_cfg.pretrain:
+        check_servable(model_cfg.pretrain, rollout_cfg)
     if rollout_cfg.colocate_all_models:
         check_colocation(rollout_cfg, world)
     if rl_cfg.dynamic_filtering and n < 2:
@@ -261,6 +263,19 @@ def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) ->
                           "--use_kl_loss, or drop --target_kl")
     if rl_cfg.use_kl_loss and not rl_cfg.init_kl_coef:
         raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
+
+
+def check_servable(pretrain: str, rollout_cfg) -> None:
+    """vLLM rollouts of a model vLLM cannot serve here are refused before Ray or an engine starts."""
+    from openpack.rollout.vllm_support import unservable_reason
+    from openpack.trainers.ppo_worker import resolved_backend
+
+    if resolved_backend(rollout_cfg) != "vllm":
+        return
+    reason = unservable_reason(pretrain)
+    if reason:
+        raise ConfigError(f"--rollout_backend vllm cannot serve --pretrain {pretrain}: {reason}. Use "
+                          "--rollout_backend hf (the policy generates itself), or a model of a supported shape")
 
 
 def check_colocation(rollout_cfg, world: int) -> None:

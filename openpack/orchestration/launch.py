@@ -68,7 +68,7 @@ def launch_command(run, launcher: str) -> tuple[int, object]:
     143 for SIGTERM. Shared by every command that runs work locally or on Ray (training, ``openpack score``).
     """
     from openpack.orchestration.ray_launcher import ClusterUnreachable, RankDiedError
-    from openpack.rollout.engines import EngineDiedError
+    from openpack.rollout.engines import EngineDiedError, EngineStartError
     from openpack.rollout.weight_sync import WeightNamesError
 
     try:
@@ -80,7 +80,7 @@ def launch_command(run, launcher: str) -> tuple[int, object]:
     except RankDiedError as err:
         print(f"openpack: {err}", file=sys.stderr)
         return 1, None
-    except WeightNamesError as err:  # found before the first step: nothing trained, nothing to resume
+    except (WeightNamesError, EngineStartError) as err:  # before the first step: nothing trained or to resume
         print(f"openpack: {err}", file=sys.stderr)
         return 2, None
     except EngineDiedError as err:  # raised in a rank between checkpoints, like a dead rank's collectives

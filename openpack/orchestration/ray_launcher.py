@@ -493,19 +493,26 @@ class _Session:
 def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals, ranks=None):
     """The engine actors, ready (model loaded), as the ``EngineGroup`` every rank is handed. ``ranks``: the ranks'
     placement group, for colocated engines (engine i on rank i's bundle, asleep until the first generation)."""
-    from openpack.rollout.engines import EngineGroup
+    from openpack.rollout.engines import EngineGroup, EngineStartError, last_error_line
     from openpack.rollout.vllm_engine import VLLMEngine
 
     class _Engine(_Placed, VLLMEngine):
         """A vLLM rollout engine in a Ray actor, placed like every other actor."""
 
+    import ray
+
     init_kwargs = dict(spec.options, tensor_parallel_size=spec.tensor_parallel_size)
-    if ranks is None:
-        actors, _ = session.start_group(_Engine, "vllm engine", spec.num_engines, 1, stop, (spec.model_path,),
-                                        spec.tensor_parallel_size, init_kwargs)
-        return EngineGroup(actors, remote=True)
-    actors, _ = session.place(_Engine, "vllm engine", ranks, spec.num_engines, stop, (spec.model_path,),
-                              init_kwargs, share=ENGINE_SHARE)
+    try:
+        if ranks is None:
+            actors, _ = session.start_group(_Engine, "vllm engine", spec.num_engines, 1, stop, (spec.model_path,),
+                                            spec.tensor_parallel_size, init_kwargs)
+            return EngineGroup(actors, remote=True)
+        actors, _ = session.place(_Engine, "vllm engine", ranks, spec.num_engines, stop, (spec.model_path,),
+                                  init_kwargs, share=ENGINE_SHARE)
+    except ray.exceptions.RayActorError as error:  # the constructor raised: its traceback is in the error's text
+        if "EngineStartError" not in str(error):
+            raise
+        raise EngineStartError(last_error_line(str(error)).split(": ", 1)[1]) from error
     group = EngineGroup(actors, remote=True)
     group.sleep()
     return group

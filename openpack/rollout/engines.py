@@ -27,6 +27,35 @@ class EngineDiedError(RuntimeError):
     """A rollout engine's actor died (crash, OOM kill, node loss)."""
 
 
+class EngineStartError(RuntimeError):
+    """A rollout engine could not start (vLLM refused the model or the options): one line with vLLM's reason."""
+
+
+def engine_start_error(model_path: str, reason: str) -> EngineStartError:
+    """The line a user reads when vLLM cannot start ``model_path``; ``reason`` is vLLM's own, one line."""
+    return EngineStartError(f"vLLM could not start an engine for {model_path}: {reason}. Generate with "
+                            "--rollout_backend hf (the policy itself), or use a model vLLM can serve")
+
+
+def one_line(error: BaseException, limit: int = 400) -> str:
+    """'TypeName: message' on one line (a multi-line message, e.g. pydantic's, joined by '; '), at most ``limit``."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("For further information")]  # pydantic's link line
+    text = f"{type(error).__name__}: {'; '.join(lines)}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def last_error_line(text: str) -> str:
+    """The last 'SomeError: message' line of a traceback's text (Ray puts a creation task's traceback in its
+    error), else the last non-empty line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        name = line.split(":", 1)[0]
+        if name.endswith(("Error", "Exception")) and " " not in name:
+            return line
+    return lines[-1] if lines else "no reason given"
+
+
 def process_location() -> str:
     """'<host> pid <pid>' of the calling process; engines report it so a dead one can be named."""
     return f"{socket.gethostname()} pid {os.getpid()}"

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from openpack.rollout.engines import process_location
+from openpack.rollout.engines import engine_start_error, one_line, process_location
 from openpack.rollout.types import Completion, SamplingConfig
 from openpack.rollout.vllm_support import configure_cpu_environment, import_vllm
 
@@ -80,6 +80,8 @@ class VLLMEngine:
         set_num_threads = torch.set_num_threads
         try:
             self.llm = vllm.LLM(**kwargs)
+        except Exception as error:  # vLLM's reason, one line, instead of a traceback from inside the engine
+            raise engine_start_error(model_path, one_line(error)) from error
         finally:
             torch.set_num_threads = set_num_threads
         self._vllm = vllm

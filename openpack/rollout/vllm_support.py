@@ -51,3 +51,25 @@ def import_vllm():
     if not version.startswith(SUPPORTED_VLLM_MINOR + "."):
         raise RuntimeError(f"vLLM {version} is installed but openpack is tested with {SUPPORTED_VLLM_MINOR}.x; {INSTALL_HINT}")
     return vllm
+
+
+def unservable_reason(model_path: str) -> str | None:
+    """Why this machine's vLLM cannot serve the model at ``model_path``, found before any engine starts; None when
+    no reason is known. Checked: the attention head size against vLLM's CPU attention (it refuses 16, which tiny
+    models often have), on machines without CUDA. Other refusals surface when the engine starts
+    (``EngineStartError``)."""
+    import torch
+    from transformers import AutoConfig
+
+    if torch.cuda.is_available():
+        return None
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    configure_cpu_environment()
+    import_vllm()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in sizes:
+        return f"its attention heads have {head_size} dimensions and vLLM's CPU attention supports {sizes}"
+    return None

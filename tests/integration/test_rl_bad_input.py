@@ -155,3 +155,78 @@ def test_a_resumed_run_counts_the_empty_batches_before_it(rl_model, tmp_path, ca
     assert "rollout batch 3: dynamic filtering kept 0 of 2 groups" in out + err
     assert "(3 of 3 such batches in a row)" in out + err
     assert "3 rollout batches in a row kept no group" in err.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def head16_model(tmp_path_factory, rl_model):
+    """A tiny Llama with 16-dimensional attention heads, which vLLM's CPU attention refuses (it supports 32 up)."""
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.tiny import tiny_causal_lm
+
+    folder = tmp_path_factory.mktemp("head16") / "model"
+    tiny_causal_lm("llama", seed=0, vocab_size=len(build_demo_tokenizer())).save_pretrained(folder)  # 64 / 4 heads
+    build_demo_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_a_model_vllm_cannot_serve_is_refused_before_any_engine_starts(launcher, head16_model, rl_model, tmp_path,
+                                                                       capsys):
+    pytest.importorskip("vllm")
+    code = train_grpo.main(["--pretrain", str(head16_model), "--prompt_data", str(rl_model / "prompts.jsonl"),
+                            "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path / "out"),
+                            *SMALL[:-4], "--rollout_backend", "vllm", "--launcher", launcher])
+    assert code == 2
+    assert last_line(capsys) == (
+        f"openpack train_grpo: --rollout_backend vllm cannot serve --pretrain {head16_model}: its attention heads "
+        "have 16 dimensions and vLLM's CPU attention supports [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]. "
+        "Use --rollout_backend hf (the policy generates itself), or a model of a supported shape")
+    assert not (tmp_path / "out" / "run.json").exists()
+
+
+def test_an_engine_that_cannot_start_says_why_in_one_line(head16_model):
+    """vLLM's own refusal at start-up (here: a context longer than the model's 4096 positions) comes back as one line
+    naming the model, vLLM's reason and the fix. In a subprocess: a failed start leaves vLLM's state behind."""
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    script = ("from openpack.rollout.engines import EngineStartError\n"
+              "from openpack.rollout.vllm_engine import VLLMEngine\n"
+              "try:\n"
+              f"    VLLMEngine({str(head16_model)!r}, max_model_len=100_000)\n"
+              "except EngineStartError as error:\n"
+              "    print('EngineStartError:', error)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    line = next((line for line in result.stdout.splitlines() if line.startswith("EngineStartError:")), "")
+    assert line.startswith(f"EngineStartError: vLLM could not start an engine for {head16_model}: "), \
+        result.stdout[-2000:] + result.stderr[-2000:]
+    assert "100000" in line and "4096" in line, line  # vLLM's reason: the asked length and the model's
+    assert line.endswith("Generate with --rollout_backend hf (the policy itself), or use a model vLLM can serve")
+
+
+@pytest.mark.slow
+def test_an_engine_actor_that_cannot_start_is_one_line_too(head16_model):
+    """The same refusal from an engine that is a Ray actor: the driver raises the actor's EngineStartError line."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("ray")
+    import subprocess
+    import sys
+
+    script = ("import ray\n"
+              "from openpack.orchestration.ray_launcher import EngineGroupSpec, _Session, _start_engines\n"
+              "from openpack.orchestration.stopping import StopSignals\n"
+              "from openpack.rollout.engines import EngineStartError\n"
+              "ray.init(num_cpus=1, include_dashboard=False, logging_level='error')\n"
+              "with _Session() as session:\n"
+              "    try:\n"
+              f"        _start_engines(session, EngineGroupSpec({str(head16_model)!r}, 1, 1, "
+              "{'seed': 0, 'max_model_len': 100_000}), StopSignals(defer=True))\n"
+              "    except EngineStartError as error:\n"
+              "        print('EngineStartError:', error)\n"
+              "ray.shutdown()\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    line = next((line for line in result.stdout.splitlines() if line.startswith("EngineStartError:")), "")
+    assert line.startswith(f"EngineStartError: vLLM could not start an engine for {head16_model}: "), \
+        result.stdout[-2000:] + result.stderr[-2000:]
+    assert "100000" in line and line.endswith("or use a model vLLM can serve")
