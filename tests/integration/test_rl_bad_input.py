@@ -184,23 +184,29 @@ def test_a_model_vllm_cannot_serve_is_refused_before_any_engine_starts(launcher,
     assert not (tmp_path / "out" / "run.json").exists()
 
 
+def start_error_line(script: str, model) -> str:
+    """The 'EngineStartError: ...' line ``script`` prints in a process of its own, checked to name ``model``."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    line = next((line for line in result.stdout.splitlines() if line.startswith("EngineStartError:")), "")
+    assert line.startswith(f"EngineStartError: vLLM could not start an engine for {model}: "), \
+        result.stdout[-2000:] + result.stderr[-2000:]
+    return line
+
+
 def test_an_engine_that_cannot_start_says_why_in_one_line(head16_model):
     """vLLM's own refusal at start-up (here: a context longer than the model's 4096 positions) comes back as one line
     naming the model, vLLM's reason and the fix. In a subprocess: a failed start leaves vLLM's state behind."""
     pytest.importorskip("vllm")
-    import subprocess
-    import sys
-
     script = ("from openpack.rollout.engines import EngineStartError\n"
               "from openpack.rollout.vllm_engine import VLLMEngine\n"
               "try:\n"
               f"    VLLMEngine({str(head16_model)!r}, max_model_len=100_000)\n"
               "except EngineStartError as error:\n"
               "    print('EngineStartError:', error)\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    line = next((line for line in result.stdout.splitlines() if line.startswith("EngineStartError:")), "")
-    assert line.startswith(f"EngineStartError: vLLM could not start an engine for {head16_model}: "), \
-        result.stdout[-2000:] + result.stderr[-2000:]
+    line = start_error_line(script, head16_model)
     assert "100000" in line and "4096" in line, line  # vLLM's reason: the asked length and the model's
     assert line.endswith("Generate with --rollout_backend hf (the policy itself), or use a model vLLM can serve")
 
@@ -210,9 +216,6 @@ def test_an_engine_actor_that_cannot_start_is_one_line_too(head16_model):
     """The same refusal from an engine that is a Ray actor: the driver raises the actor's EngineStartError line."""
     pytest.importorskip("vllm")
     pytest.importorskip("ray")
-    import subprocess
-    import sys
-
     script = ("import ray\n"
               "from openpack.orchestration.ray_launcher import EngineGroupSpec, _Session, _start_engines\n"
               "from openpack.orchestration.stopping import StopSignals\n"
@@ -225,8 +228,5 @@ def test_an_engine_actor_that_cannot_start_is_one_line_too(head16_model):
               "    except EngineStartError as error:\n"
               "        print('EngineStartError:', error)\n"
               "ray.shutdown()\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    line = next((line for line in result.stdout.splitlines() if line.startswith("EngineStartError:")), "")
-    assert line.startswith(f"EngineStartError: vLLM could not start an engine for {head16_model}: "), \
-        result.stdout[-2000:] + result.stderr[-2000:]
+    line = start_error_line(script, head16_model)
     assert "100000" in line and line.endswith("or use a model vLLM can serve")
