@@ -170,14 +170,21 @@ def head16_model(tmp_path_factory, rl_model):
 
 
 @pytest.mark.parametrize("launcher", ["local", "ray"])
-def test_a_model_vllm_cannot_serve_is_refused_before_any_engine_starts(launcher, head16_model, rl_model, tmp_path,
-                                                                       capsys):
+def test_a_model_vllm_cannot_serve_is_refused_before_any_engine_starts(launcher, head16_model, rl_model, tmp_path):
+    """In a subprocess, as a user runs it: the check imports vLLM, and vLLM in this process (before
+    test_rollout_vllm's in-process engine) left DeepSpeed's cached process groups stale for later tests."""
     pytest.importorskip("vllm")
-    code = train_grpo.main(["--pretrain", str(head16_model), "--prompt_data", str(rl_model / "prompts.jsonl"),
-                            "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path / "out"),
-                            *SMALL[:-4], "--rollout_backend", "vllm", "--launcher", launcher])
-    assert code == 2
-    assert last_line(capsys) == (
+    import subprocess
+    import sys
+
+    argv = ["--pretrain", str(head16_model), "--prompt_data", str(rl_model / "prompts.jsonl"), "--reward_fn",
+            f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path / "out"), *SMALL[:-4],
+            "--rollout_backend", "vllm", "--launcher", launcher]
+    result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_grpo", *argv], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
         f"openpack train_grpo: --rollout_backend vllm cannot serve --pretrain {head16_model}: its attention heads "
         "have 16 dimensions and vLLM's CPU attention supports [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]. "
         "Use --rollout_backend hf (the policy generates itself), or a model of a supported shape")
