@@ -51,6 +51,7 @@ def init_distributed() -> DistInfo:
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.distributed.is_initialized():
+        _forget_deepspeed_groups()
         deepspeed.init_distributed(dist_backend=backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     _share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size())))
@@ -60,6 +61,20 @@ def init_distributed() -> DistInfo:
     else:
         device = torch.device("cpu")
     return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+def _forget_deepspeed_groups() -> None:
+    """Drop DeepSpeed's clone of an earlier world group before a new world is formed in this process.
+
+    DeepSpeed clones the world group once per process (``deepspeed.utils.groups._WORLD_GROUP``) and reuses the
+    clone in every later ``deepspeed.initialize``. When that world is destroyed (an in-process vLLM engine's
+    shutdown destroys the default group, whoever formed it), the next run in the same process got
+    "Group ... is not registered" from its first broadcast.
+    """
+    from deepspeed.utils import groups
+
+    if getattr(groups, "_WORLD_GROUP", None) is not None:
+        groups._WORLD_GROUP = None
 
 
 _ONE_PROCESS = "OPENPACK_ONE_PROCESS_GROUP"  # "pid:port" of the one-process group this process formed

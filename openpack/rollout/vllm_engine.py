@@ -181,6 +181,14 @@ class VLLMEngine:
             raise RuntimeError(f"{what} on a sleeping vLLM engine: wake_up({[needs]}) first (weights pushed into "
                                "a sleeping engine are lost on the next wake)")
 
+    def close(self) -> None:
+        """Shut the engine down now rather than whenever it is garbage-collected (idempotent). In-process, vLLM's
+        shutdown also destroys torch's default process group; ``init_distributed`` forms a new one after it."""
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
+            self.llm = None
+
     def node_and_pid(self) -> str:
         """Where this engine runs, for EngineDiedError."""
         return process_location()
