@@ -18,6 +18,7 @@ has no sleep mode), so a call made while asleep fails on CPU as it would on a GP
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -26,6 +27,12 @@ from openpack.rollout.types import Completion, SamplingConfig
 from openpack.rollout.vllm_support import configure_cpu_environment, import_vllm
 
 WORKER_EXTENSION = "openpack.rollout.worker_extension.WeightReloadExtension"
+# What vLLM's CPU platform writes into os.environ for its own worker processes while an engine starts: its
+# libgomp (and tcmalloc, where bundled) in LD_PRELOAD, its tensor-parallel size as LOCAL_WORLD_SIZE. Left in
+# place, every later child of the process inherits them: a torchrun rank started after an in-process engine
+# aborted at exit 1 time in 11 under load ("terminate called without an active exception", with libgomp
+# preloaded), and LOCAL_WORLD_SIZE=1 would give an in-process trainer every core.
+LEAKED_ENVIRONMENT = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
 
 
 def _rotary_reload_warning(record: logging.LogRecord) -> bool:
@@ -78,12 +85,14 @@ class VLLMEngine:
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op; in-process that would leak into the
         # trainer or test process, so the original is put back.
         set_num_threads = torch.set_num_threads
+        environment = {name: os.environ.get(name) for name in LEAKED_ENVIRONMENT}
         try:
             self.llm = vllm.LLM(**kwargs)
         except Exception as error:  # vLLM's reason, one line, instead of a traceback from inside the engine
             raise engine_start_error(model_path, one_line(error)) from error
         finally:
             torch.set_num_threads = set_num_threads
+            restore_environment(environment)
         self._vllm = vllm
         self.tensor_parallel_size = tensor_parallel_size
         self.asleep, self._awake = False, set()  # tags woken since the last sleep
@@ -192,6 +201,15 @@ class VLLMEngine:
     def node_and_pid(self) -> str:
         """Where this engine runs, for EngineDiedError."""
         return process_location()
+
+
+def restore_environment(saved: dict[str, str | None]) -> None:
+    """Put the variables in ``saved`` back as they were (None: unset)."""
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _completion(sample) -> Completion:

@@ -4,6 +4,8 @@ One in-process engine serves the whole module (3-8 s to start; several engines i
 Tolerances are fp32: 1e-4 on log-probs, the issue's bar for "the trainer/vLLM ratio is 1 at step 0".
 """
 
+import os
+
 import pytest
 import torch
 
@@ -28,8 +30,10 @@ SEQUENCES = [p + [(7 * i + 3 * t) % 40 + 4 for t in range(10)] for i, p in enume
 def setup(tmp_path_factory):
     path = tmp_path_factory.mktemp("demo_policy")
     model = save_demo_policy(path)
+    before = {name: os.environ.get(name) for name in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
     engine = VLLMEngine(str(path), seed=0, max_model_len=64)
-    yield model, engine
+    after = {name: os.environ.get(name) for name in before}
+    yield model, engine, before, after
     engine.close()  # now, not at a later garbage collection in the middle of another module's in-process run
 
 
@@ -53,7 +57,7 @@ def max_abs_diff(a, b):
 
 
 def test_greedy_tokens_equal_transformers(setup):
-    model, engine = setup
+    model, engine, _, _ = setup
     sampling = SamplingConfig(temperature=0.0, max_tokens=12)
     vllm_out = engine.generate(PROMPTS, sampling, seeds=[0] * len(PROMPTS))
     hf_out = HFEngine(model, pad_token_id=0).generate(PROMPTS, sampling, seeds=[0] * len(PROMPTS))
@@ -65,13 +69,13 @@ def test_greedy_tokens_equal_transformers(setup):
 
 def test_step0_scores_equal_the_trainers(setup):
     """At step 0 the trainer/vLLM log-ratio is 0 on every token (|diff| <= 1e-4 in fp32)."""
-    model, engine = setup
+    model, engine, _, _ = setup
     assert max_abs_diff(engine.score(SEQUENCES), trainer_logprobs(model, SEQUENCES)) <= TOLERANCE
 
 
 def test_weight_sync_in_buckets_reaches_vllm(setup):
     """Perturb the trainer, push through InHostSync in several whole-layer buckets: vLLM follows."""
-    model, engine = setup
+    model, engine, _, _ = setup
     before = engine.score(SEQUENCES)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     perturb(model)
@@ -93,7 +97,7 @@ def test_weight_sync_in_buckets_reaches_vllm(setup):
 def test_weight_names_are_checked_against_the_engines_before_a_push(setup):
     """Every weight the engine holds must be reached by a name the trainer sends (q/k/v and gate/up map to vLLM's
     fused parameters); a missing or unknown name is refused with both named, before any weight is loaded."""
-    model, engine = setup
+    model, engine, _, _ = setup
     group = EngineGroup([engine], remote=False)
     names = policy_weight_names(PackedCausalLM(model))
     assert names == [name for name, _ in policy_weights(PackedCausalLM(model), 0)]
@@ -106,7 +110,7 @@ def test_weight_names_are_checked_against_the_engines_before_a_push(setup):
 
 
 def test_seeded_samples_repeat_and_carry_raw_logprobs(setup):
-    _, engine = setup
+    _, engine, _, _ = setup
     sampling = SamplingConfig(n=3, temperature=0.8, top_p=0.9, max_tokens=10, stop_token_ids=[3])
     first = engine.generate(PROMPTS, sampling, seeds=[10, 11, 12, 13])
     again = engine.generate(PROMPTS, sampling, seeds=[10, 11, 12, 13])
@@ -127,13 +131,21 @@ def test_seeded_samples_repeat_and_carry_raw_logprobs(setup):
 
 def test_sleep_and_wake_up_are_harmless_on_cpu(setup):
     """vLLM's CPU worker has no sleep mode: the engine never asks for it, and scores are unchanged after."""
-    _, engine = setup
+    _, engine, _, _ = setup
     before = engine.score(SEQUENCES[:2])
     group = EngineGroup([engine], remote=False)
     group.sleep()
     group.wake_up()
     assert max_abs_diff(engine.score(SEQUENCES[:2]), before) == 0.0
     assert engine.generate([], SamplingConfig(), seeds=[]) == []
+
+
+def test_the_engine_leaves_no_preload_for_later_children(setup):
+    """vLLM's CPU platform puts its libgomp into os.environ["LD_PRELOAD"] (and LOCAL_WORLD_SIZE=1) while the
+    engine starts; every later subprocess of this process inherited them, and a torchrun rank with libgomp
+    preloaded aborted at exit ("terminate called without an active exception", test_rollout_zero3 in CI)."""
+    *_, before, after = setup
+    assert after == before
 
 
 def test_training_in_process_still_works_after_the_engine_shuts_down(setup):
