@@ -154,8 +154,9 @@ class RLConfig:
     dynamic_filtering_reward_range: list[float] | None = arg(None, "two values: keep groups whose mean reward is "
                                                              "strictly between them, e.g. 0 1",
                                                              special={None: "drop only groups of equal rewards"})
-    dynamic_filtering_max_empty_steps: int = arg(3, "with --dynamic_filtering: stop (exit 1) after this many "
-                                                 "rollout batches in a row keep no group", at_least=1)
+    dynamic_filtering_max_empty_steps: int | None = arg(None, "with --dynamic_filtering: stop (exit 1) after this "
+                                                        "many rollout batches in a row keep no group", at_least=1,
+                                                        special={None: "3 with --dynamic_filtering"})
     lambd: float = arg(1.0, "GAE's lambda (--advantage_estimator gae)", at_least=0, at_most=1)
     critic_pretrain: str | None = arg(None, "the critic's start (--advantage_estimator gae): a reward model or a "
                                       "causal LM (a new value head)",
@@ -181,6 +182,10 @@ class RLConfig:
                               f"{len(self.reward_pretrain or [])} --reward_pretrain model(s); give one each")
         if self.dynamic_filtering_reward_range and not self.dynamic_filtering:
             raise ConfigError("--dynamic_filtering_reward_range needs --dynamic_filtering")
+        if self.dynamic_filtering_max_empty_steps is not None and not self.dynamic_filtering:  # it would be ignored
+            raise ConfigError(f"--dynamic_filtering_max_empty_steps {self.dynamic_filtering_max_empty_steps} stops a "
+                              "run whose --dynamic_filtering keeps no group, and this run does not filter: add "
+                              "--dynamic_filtering, or drop --dynamic_filtering_max_empty_steps")
         critic_only = ("critic_pretrain", "freezing_actor_steps")
         if self.advantage_estimator != "gae" and any(getattr(self, f) for f in critic_only):
             raise ConfigError(f"--critic_pretrain and --freezing_actor_steps need a critic: --advantage_estimator "

@@ -33,13 +33,18 @@ kernel's OOM killer (its counter, read on the driver's node), or else
 "killed by the OS (SIGKILL), probably out of memory", since Ray cannot tell
 a SIGKILL from a crash ("connection error ... End of file" for both) and the
 OOM killer is what sends it in practice; the memory cases name the flag to
-lower with its value.
+lower with its value. Ray's memory monitor kills a worker when the node's
+memory passes ``RAY_memory_usage_threshold`` (0.95), whoever holds it; a call on
+that actor then raises ``OutOfMemoryError`` (not an actor error), in the driver
+or inside a rank (its reference actor, an engine): either way one line names
+the actor, the node's memory figures from Ray's report and the fixes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -288,7 +293,7 @@ def score_on_ray(build: Callable, args: tuple, sequences: list[list[int]], *, nu
     import ray
 
     world = num_nodes * num_gpus_per_node
-    with StopSignals(defer=True) as stop, _Session() as session:
+    with StopSignals(defer=True) as stop, _Session() as session, _memory_kills_named(None):
         if not ray.is_initialized():
             session.owned = True
             connect(ray_address, world * (num_cpus_per_worker or 1), stop, session)
@@ -388,7 +393,10 @@ def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict],
     ref_world = reference.num_nodes * reference.num_gpus_per_node if reference else 0
     if ref_world and (ref_world > world or world % ref_world):
         raise ValueError(f"{ref_world} reference ranks must divide the {world} policy ranks")
-    with StopSignals(defer=True) as stop, _Session() as session:
+    if engines is not None and engines.num_engines > 1:  # each engine holds a model and its KV cache
+        fewer = f"fewer --vllm_num_engines than {engines.num_engines}"
+        memory_advice = f"{memory_advice}, or {fewer}" if memory_advice else fewer
+    with StopSignals(defer=True) as stop, _Session() as session, _memory_kills_named(memory_advice):
         own_engines = engines is not None and not engines.colocate  # colocated engines take no CPUs of their own
         scorers = sum(spec.num_actors for spec in rewards or [])
         if not ray.is_initialized():
@@ -570,7 +578,8 @@ def _wait(runs: list, nodes: list[str], inbox, relay, stop: StopSignals, memory_
         for ref in done:
             try:
                 ray.get(ref)
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
+                    ray.exceptions.OutOfMemoryError) as err:
                 errors[runs.index(ref)] = err
         if errors and deadline is None:
             deadline = time.monotonic() + DEATH_GRACE_S
@@ -586,8 +595,14 @@ def _failure(errors: dict, nodes: list[str], oom_before: int | None, memory_advi
     import ray
 
     for rank, err in sorted(errors.items()):
-        if isinstance(err, ray.exceptions.RayActorError):
+        if isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)):
             return RankDiedError(_how_rank_died(rank, nodes[rank], err, oom_before, memory_advice))
+    for rank, err in sorted(errors.items()):
+        if isinstance(err.cause, ray.exceptions.OutOfMemoryError):  # an actor the rank called: reference, engine
+            text = str(err.cause)
+            return RankDiedError(f"ray: {_killed_actor(text)}, called by rank {rank}, "
+                                 f"{_memory_kill(text, memory_advice)}; the last checkpoint is intact: "
+                                 "rerun with --load_checkpoint to resume")
     rank, err = min(errors.items())
     if isinstance(err.cause, ray.exceptions.RayActorError):  # a rank lost its reference actor
         return RankDiedError(f"ray: a reference actor died ({err.cause}); the last checkpoint is intact: "
@@ -601,20 +616,65 @@ def _how_rank_died(rank: int, node: str, err, oom_before: int | None, memory_adv
     text = str(err)
     here = node.split("/")[-1] == ray.get_runtime_context().get_node_id()[:8]
     oom_now = oom_kills() if here else None
-    memory = True
-    if "running low on memory" in text or "memory pressure" in text:
-        how = "was killed by Ray's memory monitor (its node ran low on memory)"
+    advice = f": {memory_advice}" if memory_advice else ""
+    monitor = "running low on memory" in text or "memory pressure" in text  # its actor-death wording
+    if isinstance(err, ray.exceptions.OutOfMemoryError) or monitor:
+        how, advice = _memory_kill(text, memory_advice), ""
     elif "node has died" in text:
-        how, memory = "was lost with its node (the node died or left the cluster)", False
+        how, advice = "was lost with its node (the node died or left the cluster)", ""
     elif oom_before is not None and oom_now is not None and oom_now > oom_before:
         how = "was killed by the kernel's OOM killer (out of memory)"
     elif "unexpectedly exit" in text:
         how = "was killed by the OS (SIGKILL), probably out of memory"
     else:
-        how, memory = f"died ({text.strip().splitlines()[-1][:300]})", False
-    advice = f": {memory_advice}" if memory and memory_advice else ""
+        how, advice = f"died ({text.strip().splitlines()[-1][:300]})", ""
     return (f"ray: rank {rank} on node {node} {how}{advice}; the last checkpoint is intact: "
             "rerun with --load_checkpoint to resume")
+
+
+_ROLES = {"_Rank": "a rank actor", "_Reference": "a reference actor", "_Scorer": "a reward model actor",
+          "_Engine": "a vLLM engine", "_Inbox": "rank 0's console inbox"}
+
+
+@contextlib.contextmanager
+def _memory_kills_named(memory_advice: str | None):
+    """A Ray call on an actor Ray's memory monitor killed raises ``OutOfMemoryError`` wherever the driver waits
+    (placing actors, loading models, polling the console): one ``RankDiedError`` line naming the actor."""
+    import ray
+
+    try:
+        yield
+    except ray.exceptions.OutOfMemoryError as err:
+        raise RankDiedError(f"ray: {_killed_actor(str(err))} {_memory_kill(str(err), memory_advice)}") from err
+
+
+def _killed_actor(text: str) -> str:
+    """The actor Ray's memory monitor report says it killed ("task name=_Rank.run, ... pid=123"): its role."""
+    selected = text.split("Selected to kill", 1)[-1]  # Ray >= 2.56 also lists the workers it considered
+    task, pid = re.search(r"name=(\w+)\.", selected), re.search(r"pid=(\d+)", selected)
+    who = _ROLES.get(task[1], f"a Ray worker ({task[1]})") if task else "a Ray worker"
+    return f"{who} (pid {pid[1]})" if pid else who
+
+
+def _memory_kill(text: str, memory_advice: str | None) -> str:
+    """The clause 'was killed by Ray's memory monitor (figures): fixes', the node's memory figures and threshold
+    read from Ray's report where its wording is one of these (else left out):
+
+        Ray 2.60: "... was 3.00GB used / 23.54GB limit (0.127451)
+                   OOM kill reason: Memory usage 3218427904B exceeded threshold of 1263803264B (5.0% of ...B limit)"
+        older:    "... was running was 7.00GB / 7.50GB (0.933), which exceeds the memory usage threshold of 0.9."
+    """
+    figures = re.search(r"was ([\d.]+) ?GB(?: used)? / ([\d.]+) ?GB", text)
+    percent = re.search(r"\(([\d.]+)% of \d+B limit\)", text)
+    fraction = re.search(r"memory usage threshold of (\d+(?:\.\d+)?)", text)
+    threshold = f"{float(percent[1]) / 100:g}" if percent else fraction[1] if fraction else None
+    how = "was killed by Ray's memory monitor"
+    if figures:
+        above = f", over RAY_memory_usage_threshold {threshold}" if threshold else ""
+        how += f" (the node's memory: {figures[1]}GB used / {figures[2]}GB limit{above})"
+    fixes = [memory_advice, "free the memory other processes hold",
+             "raise RAY_memory_usage_threshold where Ray starts (Ray's default 0.95)"]
+    return f"{how}: " + ", or ".join(filter(None, fixes))
 
 
 def oom_kills() -> int | None:

@@ -116,7 +116,8 @@ def rl_settings(rollout_cfg, rl_cfg, train_cfg) -> RLSettings:
                       rl_cfg.freezing_actor_steps, rl_cfg.overlong_buffer_len, rl_cfg.overlong_penalty_factor,
                       tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None, rl_cfg.dynamic_filtering,
                       tuple(rl_cfg.dynamic_filtering_reward_range) if rl_cfg.dynamic_filtering_reward_range else None,
-                      rl_cfg.dynamic_filtering_max_empty_steps, async_staleness=async_staleness(rollout_cfg))
+                      rl_cfg.dynamic_filtering_max_empty_steps or RLSettings.dynamic_filtering_max_empty_steps,
+                      async_staleness=async_staleness(rollout_cfg))
 
 
 def async_staleness(rollout_cfg) -> int:

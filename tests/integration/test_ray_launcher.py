@@ -34,9 +34,9 @@ TWO_WORKERS = ["--num_gpus_per_node", "2", "--num_cpus_per_worker", "1"]
 LOOPBACK_RAY = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def openpack(*argv):
+def openpack(*argv, env=None):
     return subprocess.run([sys.executable, "-m", "openpack.cli.main", *argv], capture_output=True, text=True,
-                          timeout=300, env=LOOPBACK_RAY)
+                          timeout=300, env={**LOOPBACK_RAY, **(env or {})})
 
 
 def rank_pids(output: str) -> dict[int, int]:
@@ -112,6 +112,25 @@ def test_simulated_two_node_cluster(tmp_path, dpo_args, local_dpo):
     nodes = {line.split(" on node ")[1] for line in result.stdout.splitlines() if line.startswith("ray: rank ")}
     assert len(nodes) == 2, result.stdout
     assert_same_run(tmp_path / "two_nodes", local_dpo)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_rays_memory_monitor_is_one_line(tmp_path, dpo_args):
+    """Issue 24: other processes' memory made Ray's memory monitor kill a rank, and train_dpo died with a 40-line
+    traceback (``ray.exceptions.OutOfMemoryError``). At ``RAY_memory_usage_threshold=0`` the raylet the launcher
+    starts kills the first actor it sees, on any machine and under any load: the driver prints one line naming
+    the actor, the node's memory figures and the fixes."""
+    result = openpack("train_dpo", *dpo_args, "--save_path", str(tmp_path / "out"),
+                      env={"RAY_memory_usage_threshold": "0"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    killed = [line for line in result.stderr.splitlines() if "memory monitor" in line]
+    assert len(killed) == 1, result.stderr[-3000:]
+    match = re.fullmatch(r"openpack: ray: (.+?),? was killed by Ray's memory monitor \(the node's memory: "
+                         r"[\d.]+GB used / [\d.]+GB limit, over RAY_memory_usage_threshold 0\): lower "
+                         r"--max_tokens_per_gpu 160 \(try 80\), or free the memory other processes hold, or raise "
+                         r"RAY_memory_usage_threshold where Ray starts \(Ray's default 0\.95\).*", killed[0])
+    assert match and "rank" in match[1], killed[0]  # a rank actor (pid N) while starting; rank r on node X later
 
 
 @pytest.mark.slow

@@ -157,6 +157,15 @@ def test_a_resumed_run_counts_the_empty_batches_before_it(rl_model, tmp_path, ca
     assert "3 rollout batches in a row kept no group" in err.strip().splitlines()[-1]
 
 
+def test_max_empty_steps_without_dynamic_filtering_is_refused(rl_model, tmp_path, capsys):
+    """The flag only bounds --dynamic_filtering's empty rollout batches; without it the flag was ignored."""
+    assert grpo(rl_model, tmp_path, "--dynamic_filtering_max_empty_steps", "5") == 2
+    assert last_line(capsys) == (
+        "openpack train_grpo: --dynamic_filtering_max_empty_steps 5 stops a run whose --dynamic_filtering keeps no "
+        "group, and this run does not filter: add --dynamic_filtering, or drop --dynamic_filtering_max_empty_steps")
+    assert not (tmp_path / "config.yaml").exists()
+
+
 @pytest.fixture(scope="module")
 def head16_model(tmp_path_factory, rl_model):
     """A tiny Llama with 16-dimensional attention heads, which vLLM's CPU attention refuses (it supports 32 up)."""
