@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
                 from openpack.cli.train_rm import demo_rm_model
 
                 rl_cfg.reward_pretrain = [str(demo_rm_model(launch_cfg, train_cfg.seed))]
-            engines = _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model)
+            engines = _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model, out_cfg.save_path)
             return launch(run_ppo, configs[:-1], {"demo_model": demo_model,
                                                       "save_config": functools.partial(save_all, configs)},
                           configs, functools.partial(plan_rl, *configs[:6], demo_model=demo_model), engines=engines,
@@ -383,7 +383,7 @@ def build_reward_scorer(path: str, max_tokens: int, bf16: bool):
     return RewardScorer(path, "cuda" if torch.cuda.is_available() else "cpu", max_tokens, bf16)
 
 
-def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model):
+def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model, save_path: str):
     """vLLM engines as Ray actors when the driver is a Ray driver; otherwise rank 0 starts them in-process."""
     from openpack.trainers.ppo_worker import resolved_backend, vllm_options
 
@@ -391,6 +391,6 @@ def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model):
         return None
     from openpack.orchestration.ray_launcher import EngineGroupSpec
 
-    options = {"seed": train_cfg.seed, **vllm_options(rollout_cfg, model_cfg.bf16)}
+    options = {"seed": train_cfg.seed, **vllm_options(rollout_cfg, model_cfg.bf16, save_path)}
     return EngineGroupSpec(model_cfg.pretrain or str(demo_model), rollout_cfg.vllm_num_engines,
                            rollout_cfg.vllm_tensor_parallel_size, options, colocate=rollout_cfg.colocate_all_models)

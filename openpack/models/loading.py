@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ def _check_source(pretrain: str, flag: str) -> None:
 
 def _from_pretrained(loader, pretrain: str, what: str, flag: str = "--pretrain", **kwargs):
     _check_source(pretrain, flag)
+    quiet_progress_bars()
     try:
         return loader.from_pretrained(pretrain, **kwargs)
     except (OSError, ValueError) as err:
@@ -29,6 +31,16 @@ def _from_pretrained(loader, pretrain: str, what: str, flag: str = "--pretrain",
             f"{flag} {pretrain}: could not load the {what} ({err}); give a local HF model folder, "
             "or a hub name on a machine with network access"
         ) from err
+
+
+def quiet_progress_bars() -> None:
+    """No transformers tqdm bars ("Loading weights", "Writing model shards") unless stderr is a terminal: in a Ray
+    actor stderr is a file the driver replays line by line, so each bar became lines of console (issue 24)."""
+    if sys.stderr.isatty():
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def load_model_config(pretrain: str, flag: str = "--pretrain"):

@@ -30,6 +30,7 @@ that name on export.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -111,18 +112,59 @@ def load_reward_model(pretrain: str, bf16: bool = False, gradient_checkpointing:
 
     from openpack.models.attention import register_packed_attention
 
-    model = _from_pretrained(AutoModelForSequenceClassification, pretrain, "reward model", flag, num_labels=1,
-                             attn_implementation=register_packed_attention(),
-                             dtype=torch.bfloat16 if bf16 else torch.float32, **quantized(load_in_4bit, bf16))
-    if value_head_prefix != HEAD:
-        _load_head(model, Path(pretrain), value_head_prefix, flag)
+    with _HeldReport() as report:  # transformers' load report; shown below unless all it says is expected
+        model, info = _from_pretrained(AutoModelForSequenceClassification, pretrain, "reward model", flag,
+                                       num_labels=1, attn_implementation=register_packed_attention(),
+                                       dtype=torch.bfloat16 if bf16 else torch.float32, output_loading_info=True,
+                                       **quantized(load_in_4bit, bf16))
+        report.expected = only_a_new_head(info, value_head_prefix)
+    head_read = value_head_prefix != HEAD and _load_head(model, Path(pretrain), value_head_prefix, flag)
+    if report.expected and info["missing_keys"] and not head_read:
+        logging.getLogger("openpack").info("%s %s: a causal LM, so the reward model's head (%s) starts new, "
+                                           "initialised as transformers initialises it", flag, pretrain, HEAD)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return prepare_for_training(model, gradient_checkpointing)
 
 
-def _load_head(model, folder: Path, prefix: str, flag: str) -> None:
-    """Copy ``<prefix>.weight`` (and bias) of the saved safetensors into the head; absent: keep the new head."""
+def only_a_new_head(info: dict, value_head_prefix: str = HEAD) -> bool:
+    """Whether transformers' loading ``info`` says only what loading a causal LM (or a head saved under
+    ``value_head_prefix``) as a reward model means: the head is missing, ``lm_head`` (or that head) unused."""
+    return (set(info["missing_keys"]) <= {f"{HEAD}.weight", f"{HEAD}.bias"} and not info["mismatched_keys"] and
+            all(key.split(".")[0] in ("lm_head", value_head_prefix) for key in info["unexpected_keys"]))
+
+
+class _HeldReport(logging.Filter):
+    """Holds back transformers' load report while a reward model loads and shows it after, unless ``expected``
+    was set: its red "score.weight MISSING" table at every start from a causal LM read as a failure (issue 24).
+    A load that raises shows it (transformers' error points at it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.expected = False
+        self.logger = logging.getLogger("transformers.modeling_utils")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" not in str(record.msg):
+            return True
+        self.records.append(record)
+        return False
+
+    def __enter__(self) -> _HeldReport:
+        self.logger.addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeFilter(self)
+        if not self.expected:
+            for record in self.records:
+                self.logger.handle(record)
+
+
+def _load_head(model, folder: Path, prefix: str, flag: str) -> bool:
+    """Copy ``<prefix>.weight`` (and bias) of the saved safetensors into the head; absent: keep the new head.
+    Returns whether it was found."""
     from safetensors import safe_open
 
     for file in sorted(folder.glob("*.safetensors")):
@@ -135,7 +177,8 @@ def _load_head(model, folder: Path, prefix: str, flag: str) -> None:
             except RuntimeError as err:
                 raise ModelLoadError(f"{flag} {folder}: the weights under --value_head_prefix {prefix} do not fit "
                                      f"a head of hidden size {head.in_features} to 1 ({err})") from err
-            return
+            return True
+    return False
 
 
 def normalization(config) -> tuple[float, float] | None:

@@ -71,6 +71,7 @@ def launch_command(run, launcher: str) -> tuple[int, object]:
     from openpack.rollout.engines import EngineDiedError, EngineStartError
     from openpack.rollout.weight_sync import WeightNamesError
 
+    quiet_console()
     try:
         with StopSignals(defer=False):
             return 0, run()
@@ -92,6 +93,17 @@ def launch_command(run, launcher: str) -> tuple[int, object]:
         print(f"openpack: {stopped.describe()}" + ("; all Ray workers were stopped" if launcher == "ray" else ""),
               file=sys.stderr)
         return stopped.exit_code, None
+
+
+def quiet_console() -> None:
+    """The driver's console without known harmless records (``run_log.NOISE``: Ray's token notice among them)
+    and, where stdout or stderr is not a terminal, without the colour codes Ray puts around the actor lines it
+    replays (a log file read ESC[36m(_Rank pid=...)ESC[0m)."""
+    from openpack.distributed.run_log import route_noise
+
+    route_noise()
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def memory_advice(configs: tuple) -> str | None:

@@ -31,9 +31,11 @@ class EngineStartError(RuntimeError):
     """A rollout engine could not start (vLLM refused the model or the options): one line with vLLM's reason."""
 
 
-def engine_start_error(model_path: str, reason: str) -> EngineStartError:
-    """The line a user reads when vLLM cannot start ``model_path``; ``reason`` is vLLM's own, one line."""
-    return EngineStartError(f"vLLM could not start an engine for {model_path}: {reason}. Generate with "
+def engine_start_error(model_path: str, reason: str, log_file=None) -> EngineStartError:
+    """The line a user reads when vLLM cannot start ``model_path``; ``reason`` is vLLM's own, one line;
+    ``log_file`` holds what vLLM printed while it tried."""
+    log = f" (vLLM's output: {log_file})" if log_file else ""
+    return EngineStartError(f"vLLM could not start an engine for {model_path}: {reason}{log}. Generate with "
                             "--rollout_backend hf (the policy itself), or use a model vLLM can serve")
 
 

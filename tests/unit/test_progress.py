@@ -108,3 +108,34 @@ def test_rank_zero_prints_nothing_itself_when_forwarding(clock, capsys):
     finally:
         tracking.forward_console(None)
     assert capsys.readouterr() == ("", "")
+
+
+def test_rl_steps_show_vllm_logp_diff_and_warn_once_above_its_limit(clock):
+    """vllm_logp_diff was only in metrics.jsonl (issue 24): now in the progress line, and the first step above the
+    limit (fp32: 1e-3) says so in one line; later steps above it stay quiet, the value still in their lines."""
+    from openpack.trainers.ppo_worker import logp_diff_limit
+
+    console = plain_console()
+    with Tracker(None, total_steps=4, console=console) as tracker:
+        tracker.watch(logp_diff_limit(bf16=False))
+        for step, diff in enumerate((1.2e-7, 2e-4, 0.013, 0.02), start=1):
+            tracker.log(step, {"loss": 0.5, "reward": 1.0, "vllm_logp_diff": diff})
+    lines = console.file.getvalue().splitlines()
+    assert lines[0] == "step 1/4  loss 0.5  reward 1  vllm_logp_diff 1.2e-07  eta -:--:--"
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1 and lines.index(warnings[0]) == 3  # right after step 3's line
+    assert warnings[0].startswith("warning: vllm_logp_diff 1.3e-02 at step 3 is above 0.001: the sampler's log-probs")
+    assert "vllm_logp_diff 2.0e-02" in lines[4]
+
+
+@pytest.mark.parametrize("bf16, quiet, loud", [(False, 9e-4, 1.1e-3), (True, 0.09, 0.11)])
+def test_the_logp_diff_limit_is_the_documented_one(bf16, quiet, loud):
+    """docs/rl.md: 1e-3 in fp32 (runs stay at 1e-7 to 1e-5, a tied head that missed the sync gave 0.013), 0.1 in
+    bf16 (its rounding alone gives up to about 0.08)."""
+    from openpack.trainers.ppo_worker import logp_diff_limit
+
+    limit = logp_diff_limit(bf16)
+    assert limit.check(1, {"vllm_logp_diff": quiet}) is None
+    assert limit.check(2, {"loss": 1.0}) is None  # a step without the metric (an update dynamic filtering skipped)
+    assert limit.check(3, {"vllm_logp_diff": loud}) is not None
+    assert limit.check(4, {"vllm_logp_diff": loud}) is None  # once
