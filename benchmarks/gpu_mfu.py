@@ -44,8 +44,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from packing import generate_lengths  # noqa: E402
 
-from openpack.core.batch import CHOSEN, REJECTED, Segment, collate_packed, collate_padded  # noqa: E402
-from openpack.core.logprobs import pair_values, segment_logprobs  # noqa: E402
+from openpack.core.batch import (  # noqa: E402
+    CHOSEN,
+    REJECTED,
+    Segment,
+    collate_packed,
+    collate_padded,
+    host_to_device,
+)
+from openpack.core.logprobs import pair_segments, segment_logprobs  # noqa: E402
 from openpack.core.packing import plan_packs  # noqa: E402
 from openpack.models.attention import register_packed_attention, set_attention_backend  # noqa: E402
 from openpack.models.packed import PackedCausalLM  # noqa: E402
@@ -94,13 +101,13 @@ def micro_batches(step_pairs: list[list[Segment]], packed: bool, max_tokens: int
 
 def dpo_step(policy, reference, optimizer, batches, pairs: int, beta: float, device) -> None:
     for batch in batches:
+        # the pairs found in the host's segment table, as the trainers find them: no device sync
+        chosen, rejected = (host_to_device(t, device) for t in pair_segments(batch)[1:])
         batch = batch.to(device)
         with torch.no_grad():
             ref = segment_logprobs(batch, reference(batch)).sum
         seg = segment_logprobs(batch, policy(batch)).sum
-        _, chosen, rejected = pair_values(batch, seg)
-        _, ref_chosen, ref_rejected = pair_values(batch, ref)
-        margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+        margin = (seg[chosen] - ref[chosen]) - (seg[rejected] - ref[rejected])
         (-torch.nn.functional.logsigmoid(beta * margin).sum() / pairs).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

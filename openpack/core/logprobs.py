@@ -167,12 +167,6 @@ def pair_segments(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return chosen_ids, chosen, rejected
 
 
-def pair_values(batch, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split per-segment ``values`` [S] of a batch of pairs into (sample ids, chosen, rejected), each [P]."""
-    ids, chosen, rejected = (t.to(values.device) for t in pair_segments(batch))
-    return ids, values[chosen], values[rejected]
-
-
 def _sorted_by_sample(sample_index, values, mask):
     ids = sample_index[mask]
     order = torch.argsort(ids)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from openpack.core.batch import collate_packed
-from openpack.core.logprobs import pair_values, segment_logprobs
+from openpack.core.logprobs import pair_segments, segment_logprobs
 from openpack.data.preference import PreferencePair
 from openpack.models.attention import _shared_prefix_attention, register_packed_attention
 from openpack.models.packed import packed_token_logprobs
@@ -79,7 +79,9 @@ def pair_results(model, batch, weights):
     """Token log-probs (labelled, in order), chosen and rejected sums, and the gradient of a weighted margin."""
     params = [p for p in model.parameters() if p.requires_grad]
     logprobs = packed_token_logprobs(model, batch)
-    _, chosen, rejected = pair_values(batch, segment_logprobs(batch, logprobs).sum)
+    _, chosen_at, rejected_at = pair_segments(batch)
+    sums = segment_logprobs(batch, logprobs).sum
+    chosen, rejected = sums[chosen_at], sums[rejected_at]
     grads = torch.autograd.grad((weights * chosen - weights.flip(0) * rejected).sum(), params)
     return logprobs[batch.loss_mask[0]].detach(), chosen.detach(), rejected.detach(), grads
 
@@ -120,7 +122,9 @@ def test_rewards_equal_unshared(arch):
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
     for batch in layouts(pairs):
-        _, chosen, rejected = pair_values(batch, rewards(batch))
+        _, chosen_at, rejected_at = pair_segments(batch)
+        segment_rewards = rewards(batch)
+        chosen, rejected = segment_rewards[chosen_at], segment_rewards[rejected_at]
         results.append((chosen, rejected, torch.autograd.grad((chosen - 2 * rejected).sum(), params)))
     (c0, r0, g0), (c1, r1, g1) = results
     torch.testing.assert_close(c1, c0, atol=1e-5, rtol=0)

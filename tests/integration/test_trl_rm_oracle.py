@@ -6,7 +6,7 @@ on CPU, the same initial value head (TRL's, copied into openpack's model):
 * TRL: one optimizer step of a real ``RewardTrainer`` over one batch of all 8 pairs
   (``trl_reward_oracle.trl_first_step``): its loss, every gradient, and the ids it fed;
 * openpack: ``tokenize_pairs`` -> ``PreferencePair.segments`` -> ``load_reward_model`` through
-  ``PackedRewardModel`` -> ``pair_values`` -> ``reward_pair_losses``, ``sum / 8`` backpropagated, in three
+  ``PackedRewardModel`` -> ``pair_segments`` -> ``reward_pair_losses``, ``sum / 8`` backpropagated, in three
   layouts: ``packed`` (all 16 segments in one row, scrambled, so pairs are found only through the segment
   table), ``padded`` (right-padded rows), ``split`` (two packed micro-batches of 4 pairs, gradients
   accumulated, each ``sum / 8``: the step normalisation of ``trainers/rm.py``).
@@ -25,7 +25,7 @@ import torch
 from trl_reward_oracle import one_torch_thread, trl_first_step
 
 from openpack.core.batch import collate_packed, collate_padded
-from openpack.core.logprobs import pair_values
+from openpack.core.logprobs import pair_segments
 from openpack.core.reward_losses import reward_pair_losses
 from openpack.data.demo_tokenizer import build_demo_tokenizer
 from openpack.data.loading import Rows
@@ -89,7 +89,9 @@ def openpack_step(model_dir, rows, use_margins: bool, coefficient: float, score_
         batches = [collate_packed(segments[:8]), collate_packed(segments[8:])]
     total = 0.0
     for batch in batches:
-        ids, chosen, rejected = pair_values(batch, module(batch))
+        ids, chosen_at, rejected_at = pair_segments(batch)  # as trainers/rm.py finds the pairs
+        rewards = module(batch)
+        chosen, rejected = rewards[chosen_at], rewards[rejected_at]
         losses = reward_pair_losses(chosen, rejected, "sigmoid", margins[ids] if use_margins else None, coefficient)
         (losses.sum() / len(pairs)).backward()
         total += losses.sum().item() / len(pairs)

@@ -55,21 +55,21 @@ def test_segment_sums_means_and_counts():
 
 def test_pairs_are_matched_by_sample_and_role_not_position():
     from openpack.core.batch import CHOSEN, REJECTED
-    from openpack.core.logprobs import pair_values
+    from openpack.core.logprobs import pair_segments
 
     # rows out of order: rejected of sample 7, chosen of 3, chosen of 7, rejected of 3
     batch = collate_packed([
         Segment([1, 2], [True, True], 7, REJECTED), Segment([1, 2], [True, True], 3, CHOSEN),
         Segment([1, 2], [True, True], 7, CHOSEN), Segment([1, 2], [True, True], 3, REJECTED),
     ])
-    ids, chosen, rejected = pair_values(batch, torch.tensor([70.0, 31.0, 71.0, 30.0]))
-    assert ids.tolist() == [3, 7] and chosen.tolist() == [31.0, 71.0] and rejected.tolist() == [30.0, 70.0]
+    ids, chosen, rejected = pair_segments(batch)
+    assert ids.tolist() == [3, 7] and chosen.tolist() == [1, 2] and rejected.tolist() == [3, 0]
 
 
 def test_a_pair_split_across_micro_batches_is_refused():
     from openpack.core.batch import CHOSEN
-    from openpack.core.logprobs import pair_values
+    from openpack.core.logprobs import pair_segments
 
     batch = collate_packed([Segment([1, 2], [True, True], 0, CHOSEN)])
     with pytest.raises(ValueError, match="split across micro-batches"):
-        pair_values(batch, torch.tensor([1.0]))
+        pair_segments(batch)
