@@ -1,4 +1,4 @@
-"""What integration tests read back from a run (metrics, weights) and compare, and the pair data they write."""
+"""What integration tests read back from a run (metrics, weights) and compare, and the models and data they write."""
 
 import json
 import random
@@ -54,4 +54,25 @@ def write_pairs(path, n=48, seed=0):
         bad = good[:-1] + ("z" if good[-1] != "z" else "y")
         rows.append({"prompt": f"sort: {word}\n", "chosen": good, "rejected": bad})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def save_tiny_llama(path, seed, **shape):
+    """A random-init tiny Llama (``shape``: config overrides) and the demo tokenizer, saved like any HF model."""
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.tiny import tiny_causal_lm
+
+    tokenizer = build_demo_tokenizer()
+    tiny_causal_lm("llama", seed=seed, vocab_size=len(tokenizer), **shape).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def write_sort_prompts(path, n=32, seed=0):
+    """RL prompts "sort: <letters>", the sorted letters as ``label``, 3 to 20 letters."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(3, 20)))
+            f.write(json.dumps({"prompt": f"sort: {word}\n", "label": "".join(sorted(word))}) + "\n")
     return str(path)

@@ -32,7 +32,7 @@ import pytest
 
 from openpack.cli import train_grpo
 from openpack.distributed.checkpoint import verify
-from saved_runs import assert_same_run, read_metrics
+from saved_runs import assert_same_run, read_metrics, save_tiny_llama
 
 RL = ["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
       "--train_batch_size", "16", "--generate_max_len", "8", "--prompt_max_len", "32", "--packing_samples",
@@ -61,15 +61,9 @@ def nan_on_second_batch(prompts, completions, rows):
 @pytest.fixture(scope="module")
 def rl_task(tmp_path_factory):
     """``--pretrain`` and ``--prompt_data`` of a tiny vLLM-compatible Llama, and the reward file's path."""
-    from openpack.data.demo_tokenizer import build_demo_tokenizer
-    from openpack.models.tiny import tiny_causal_lm
-
     path = tmp_path_factory.mktemp("rl_task")
-    tokenizer = build_demo_tokenizer()
-    model = tiny_causal_lm("llama", seed=3, vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=256)
-    model.save_pretrained(path / "model")
-    tokenizer.save_pretrained(path / "model")
+    save_tiny_llama(path / "model", seed=3, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256)
     rows = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a, b in zip(range(3, 99, 6), range(90, -6, -6))]  # 16 prompts: 4 batches
     (path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (path / "rewards.py").write_text(REWARDS)
