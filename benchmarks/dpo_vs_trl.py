@@ -111,7 +111,7 @@ def trl_worker(spec_path: Path) -> int:
                          processing_class=tokenizer)
     steps = harness.record_trl_steps(trainer, describe_micro_batch)
     trainer.train()
-    (Path(spec["out"]) / "steps.json").write_text(json.dumps([step_record(step) for step in steps]))
+    (Path(spec["out"]) / "steps.json").write_text(json.dumps({"steps": [step_record(step) for step in steps]}))
     return 0
 
 
@@ -151,26 +151,21 @@ def openpack_command(args, setup: dict, save_path: Path) -> list[str]:
 
 
 def run_openpack(args, setup: dict, run_dir: Path, env: dict, flags: tuple[str, ...] = ()) -> dict:
-    """One openpack run: ``openpack_command`` plus ``flags`` (prefix_sharing.py adds --prefix_sharing, LoRA)."""
+    """One openpack run: ``openpack_command`` plus ``flags`` (prefix_sharing.py adds --prefix_sharing and LoRA,
+    fused_loss.py --fused_loss)."""
     measured = harness.run_measured([*openpack_command(args, setup, run_dir), *flags], run_dir.with_suffix(".log"),
                                     env)
     harness.check_run(measured, " ".join(["openpack train_dpo", *flags]))
-    keep = ("loss", "pairs", "tokens", "micro_batches", "packing_efficiency", "step_time_s")
+    keep = ("loss", "grad_norm", "pairs", "tokens", "micro_batches", "packing_efficiency", "step_time_s")
     steps = [{k: s[k] for k in keep} for s in harness.read_jsonl(run_dir / "metrics.jsonl")]
     return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
 
 
 def run_trl(args, setup: dict, run_dir: Path, env: dict) -> dict:
-    run_dir.mkdir(parents=True)
     spec = {"policy": str(setup["policy"]), "reference": str(setup["reference"]), "dataset": str(setup["trl_data"]),
-            "out": str(run_dir), "pairs_per_step": args.pairs_per_step, "steps": args.steps,
-            "max_length": setup["row_cap"], "learning_rate": args.learning_rate, "beta": args.beta, "seed": args.seed}
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    measured = harness.run_measured([__file__, "--trl_worker", str(spec_path)], run_dir.with_suffix(".log"), env)
-    harness.check_run(measured, "TRL DPOTrainer worker")
-    steps = json.loads((run_dir / "steps.json").read_text())
-    return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
+            "pairs_per_step": args.pairs_per_step, "steps": args.steps, "max_length": setup["row_cap"],
+            "learning_rate": args.learning_rate, "beta": args.beta, "seed": args.seed}
+    return harness.run_trl_worker(__file__, spec, run_dir, env, "TRL DPOTrainer worker")
 
 
 def run_all(args, setup: dict, work: Path) -> list[dict]:

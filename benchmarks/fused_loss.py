@@ -9,11 +9,11 @@ and each of ``--head_vocabs``, the time of forward + backward through the LM hea
 chunked (``core/logprobs.py``: logits in the forward, again in the backward) vs fused (``core/fused_loss.py``:
 once), interleaved in one process, best of ``--repeats``. The head's gradients must agree.
 
-Part 2, whole steps: ``openpack train_dpo --packing_samples --use_dynamic_batch`` with and without
-``--fused_loss`` on the same saved model, reference and pairs (the ANCHORS length mix divided by ``--scale``;
-by default the TRL comparisons' model, whose vocab-32000 head is most of its work), in fresh interleaved
-processes: seconds per optimizer step after the first (warm-up) and peak RSS, median (min-max) over repeats.
-The two arms compute the same numbers, so the script checks their losses agree.
+Part 2, whole steps: ``openpack train_dpo --packing_samples --use_dynamic_batch`` (``dpo_vs_trl.py``'s command)
+with and without ``--fused_loss`` on the same saved model, reference and pairs (``dpo_vs_trl.py``'s: the ANCHORS
+length mix divided by ``--scale``; by default the TRL comparisons' model, whose vocab-32000 head is most of its
+work), in fresh interleaved processes: seconds per optimizer step after the first (warm-up) and peak RSS,
+median (min-max) over repeats. The two arms compute the same numbers, so the script checks their losses agree.
 """
 
 from __future__ import annotations
@@ -26,16 +26,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dpo_vs_trl
 import harness
-from harness import ModelSpec
 
 SECTION = "fused_loss"
-ARMS = ("chunked", "fused")
+ARM_FLAGS = {"chunked": (), "fused": ("--fused_loss",)}  # each arm's flags on top of dpo_vs_trl.openpack_command
+ARMS = tuple(ARM_FLAGS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs_per_step", type=int, default=16, help="pairs per optimizer step")
+    parser.add_argument("--beta", type=float, default=0.1, help="DPO beta (sigmoid loss)")
     parser.add_argument("--head_tokens", type=int, default=2048, help="part 1: labelled tokens in the row")
     parser.add_argument("--head_hidden", type=int, default=896, help="part 1: width of the LM head")
     parser.add_argument("--head_vocabs", default="32000,151936", help="part 1: comma-separated vocab sizes")
@@ -113,36 +115,6 @@ def head_times(args) -> list[dict]:
 # ---------------------------------------------------------------- part 2: whole DPO steps
 
 
-def prepare(args, work: Path) -> dict:
-    lengths = harness.scaled_lengths(args.pairs_per_step * args.steps, args.scale, args.seed)
-    row_cap = harness.ROW_CAP // args.scale
-    model = ModelSpec(args.vocab, args.hidden, args.intermediate, args.layers, max_position_embeddings=2 * row_cap)
-    policy, reference = harness.save_models(work, model, seeds=[0, 1])
-    data = harness.write_jsonl(work / "pairs.jsonl", harness.preference_rows(lengths, args.seed))
-    return {"work": work, "policy": policy, "reference": reference, "model": model, "data": data,
-            "row_cap": row_cap, "max_tokens": 16384 // args.scale}
-
-
-def command(args, setup: dict, save_path: Path, fused: bool) -> list[str]:
-    return [
-        "-m", "openpack.cli.main", "train_dpo", "--launcher", "local",
-        "--pretrain", str(setup["policy"]), "--ref_pretrain", str(setup["reference"]), "--dataset", str(setup["data"]),
-        "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", str(setup["max_tokens"]),
-        "--max_len", str(setup["row_cap"]), "--train_batch_size", str(args.pairs_per_step),
-        "--max_steps", str(args.steps), "--learning_rate", str(args.learning_rate), "--lr_scheduler", "constant",
-        "--lr_warmup_ratio", "0", "--beta", "0.1", "--loss_type", "sigmoid", "--seed", str(args.seed),
-        "--save_path", str(save_path), *(["--fused_loss"] if fused else []),
-    ]
-
-
-def run_arm(args, setup: dict, run_dir: Path, env: dict, fused: bool) -> dict:
-    measured = harness.run_measured(command(args, setup, run_dir, fused), run_dir.with_suffix(".log"), env)
-    harness.check_run(measured, f"openpack train_dpo ({'fused' if fused else 'chunked'})")
-    keep = ("loss", "grad_norm", "pairs", "tokens", "micro_batches", "step_time_s")
-    steps = [{k: s[k] for k in keep} for s in harness.read_jsonl(run_dir / "metrics.jsonl")]
-    return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
-
-
 def summarise(runs: list[dict], head: list[dict], load: list[float]) -> dict:
     per_arm = {arm: [r for r in runs if r["arm"] == arm] for arm in ARMS}
     loss_diff = max(abs(a["loss"] - b["loss"]) for c, f in zip(per_arm["chunked"], per_arm["fused"])
@@ -177,7 +149,9 @@ def step_table(s: dict) -> str:
 
 
 def markdown_section(args, setup: dict, s: dict, wall_s: float) -> str:
-    cmd = harness.shell_command(command(args, setup, setup["work"] / "RUN_DIR", True)).replace(f"{setup['work']}/", "")
+    cmd = harness.shell_command([*dpo_vs_trl.openpack_command(args, setup, setup["work"] / "RUN_DIR"),
+                                 *ARM_FLAGS["fused"]])
+    cmd = cmd.replace(f"{setup['work']}/", "")  # paths relative to the work folder
     head_ratios = [row["ratio"] for row in s["head"]]
     step = harness.spread(s["time_ratio"])[1]
     rss = {arm: harness.spread(values)[1] for arm, values in s["peak_rss_mb"].items()}
@@ -235,11 +209,12 @@ def benchmark(args, work: Path) -> int:
         print(head_table({"head": head}))
         (work / "results.json").write_text(json.dumps({"head": head}, indent=1))
         return 0
-    setup = prepare(args, work)
+    setup = dpo_vs_trl.prepare(args, work)
     print(f"model: {setup['model'].describe()}")
     env = harness.subprocess_env(args.threads)
     runs = harness.run_interleaved({
-        arm: (lambda repeat, arm=arm: run_arm(args, setup, work / f"{arm}_{repeat}", env, arm == "fused"))
+        arm: (lambda repeat, arm=arm: dpo_vs_trl.run_openpack(args, setup, work / f"{arm}_{repeat}", env,
+                                                              ARM_FLAGS[arm]))
         for arm in ARMS
     }, args.repeats)
     # The head part after the runs: a child started by vfork + exec inherits this process's peak RSS as its own

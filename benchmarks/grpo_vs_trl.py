@@ -99,20 +99,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm per model, interleaved")
     parser.add_argument("--learning_rate", type=float, default=1e-6, help="constant lr (TRL's GRPO default)")
     parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (see docstring)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="work folder to keep (models, data, logs, results.json); default: a temporary one")
-    parser.add_argument("--markdown", default=None,
-                        help=f"file whose {SECTION} section to regenerate (default docs/benchmarks.md; none: skip)")
-    parser.add_argument("--chart", type=Path, default=None,
-                        help=f"PNG chart (default: img/{SECTION}.png beside --markdown)")
+    harness.add_output_args(parser, SECTION, chart="openpack / TRL per measure")
+    parser.set_defaults(threads=1)  # one thread per arm: see the docstring
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny random model, 4 prompts x 4, 8 tokens, 2 steps, 1 repeat; docs only to a "
                              "--markdown file")
     parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    args.command = reproduce_command(argv)
+    args.command = f"python benchmarks/grpo_vs_trl.py {harness.given_flags(argv)}".rstrip()
     if args.smoke:
         args.models, args.prompts_per_step, args.n, args.max_completion = "random", 4, 4, 8
         args.steps, args.repeats = 2, 1
@@ -123,12 +117,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if (args.prompts_per_step * args.n) % TRL_MICRO_BATCH:
         parser.error(f"prompts_per_step x n must be a multiple of TRL's micro-batch of {TRL_MICRO_BATCH}")
     return args
-
-
-def reproduce_command(argv: list[str]) -> str:
-    """The command line as given, less ``--out DIR`` (a local work folder), for the docs."""
-    words = [w for i, w in enumerate(argv) if w != "--out" and (i == 0 or argv[i - 1] != "--out")]
-    return " ".join(["python benchmarks/grpo_vs_trl.py", *words])
 
 
 # ---------------------------------------------------------------- TRL, in its own process
@@ -303,16 +291,10 @@ def openpack_step(metrics: dict) -> dict:
 
 
 def run_trl(args, setup: dict, model: str, run_dir: Path, env: dict) -> dict:
-    run_dir.mkdir(parents=True)
-    spec = {"model": str(setup["models"][model]), "dataset": str(setup["data"]), "out": str(run_dir),
+    spec = {"model": str(setup["models"][model]), "dataset": str(setup["data"]),
             "prompts_per_step": args.prompts_per_step, "n": args.n, "max_completion": args.max_completion,
             "steps": args.steps, "learning_rate": args.learning_rate, "seed": args.seed, "loss_type": "dapo"}
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    measured = harness.run_measured([__file__, "--trl_worker", str(spec_path)], run_dir.with_suffix(".log"), env)
-    harness.check_run(measured, "TRL GRPOTrainer worker")
-    result = json.loads((run_dir / "steps.json").read_text())
-    return {**result, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
+    return harness.run_trl_worker(__file__, spec, run_dir, env, "TRL GRPOTrainer worker")
 
 
 def run_all(args, setup: dict, work: Path) -> dict[str, list[dict]]:

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -224,19 +225,126 @@ def _run_and_record_peak_rss(argv: list[str]) -> int:
 
 def _peak_rss_mb() -> float:
     """This address space's peak resident memory (``VmHWM``); ``ru_maxrss`` where /proc is missing."""
+    memory = process_memory_mb()
+    if memory is not None:
+        return memory["VmHWM"]
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ---------------------------------------------------------------- a process tree's memory, sampled
+
+
+def process_memory_mb(pid: int | str = "self") -> dict | None:
+    """``{"VmRSS": now, "VmHWM": peak so far}`` of a process in MiB, from /proc; None once it has ended."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    if "VmRSS" not in fields:  # a zombie
+        return None
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}  # kB
+
+
+class TreeSampler:
+    """Every ``interval`` s, while it runs: the resident memory of ``root`` and all its descendants.
+
+    ``processes``: pid -> {name, peak_mb}, a process's peak the larger of its sampled ``VmRSS`` and its own
+    ``VmHWM`` (so a peak between two samples counts). ``peak_sum_mb``: the peak of the processes' summed
+    ``VmRSS``, or with ``pss`` of their summed PSS (``smaps_rollup``: a shared page, such as Ray's object store
+    or a library, split among the processes that map it, so the sum is the memory the run really holds; slower
+    to read, hence a longer interval there).
+    """
+
+    def __init__(self, root: int, interval: float = 0.1, pss: bool = False):
+        self.root, self.interval, self.pss = root, interval, pss
+        self.processes: dict[int, dict] = {}
+        self.peak_sum_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def largest_mb(self) -> float:
+        """The peak of the largest process so far."""
+        return max((entry["peak_mb"] for entry in self.processes.values()), default=0.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = 0.0
+            for pid in _descendants(self.root):
+                memory = process_memory_mb(pid)
+                if memory is None:
+                    continue
+                total += _pss_mb(pid) if self.pss else memory["VmRSS"]
+                entry = self.processes.setdefault(pid, {"name": _process_name(pid), "peak_mb": 0.0})
+                entry["peak_mb"] = max(entry["peak_mb"], memory["VmHWM"], memory["VmRSS"])
+                if entry["name"].startswith(("ray::IDLE", "python")):  # a Ray worker names itself when it starts
+                    entry["name"] = _process_name(pid)
+            self.peak_sum_mb = max(self.peak_sum_mb, total)
+            self._stop.wait(self.interval)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _pss_mb(pid: int) -> float:
+    """A process's PSS in MiB (/proc/<pid>/smaps_rollup); 0 for one that has ended."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024  # kB
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return 0.0
+
+
+def _process_name(pid: int) -> str:
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [w.decode(errors="replace") for w in words if w]
+    if words and words[0].startswith("ray::"):
+        return words[0].split(".")[0]  # ray::_Rank.node: the actor, then the method it runs
+    return " ".join(Path(w).name if i < 2 else w for i, w in enumerate(words[:4]))
 
 
 def check_run(measured: Measured, what: str) -> None:
     if measured.returncode != 0:
         tail = measured.log.read_text()[-3000:]
         raise RuntimeError(f"{what} exited with {measured.returncode}; log {measured.log}:\n{tail}")
+
+
+def run_trl_worker(script: str, spec: dict, run_dir: Path, env: dict, what: str) -> dict:
+    """``python SCRIPT --trl_worker RUN_DIR/spec.json`` in a fresh measured process, ``spec`` written there with
+    ``out`` = RUN_DIR; the report the worker writes to RUN_DIR/steps.json (its ``steps`` and what else it
+    records), with the process's ``peak_rss_mb`` and ``wall_s``. ``what`` names the worker in an error."""
+    run_dir.mkdir(parents=True)
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "out": str(run_dir)}))
+    measured = run_measured([script, "--trl_worker", str(spec_path)], run_dir.with_suffix(".log"), env)
+    check_run(measured, what)
+    report = json.loads((run_dir / "steps.json").read_text())
+    return {**report, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
 
 
 def record_trl_steps(trainer, describe_micro_batch) -> list[dict]:
@@ -375,16 +483,23 @@ def add_run_args(parser, section: str, learning_rate: float) -> None:
     parser.add_argument("--intermediate", type=int, default=768, help="MLP width")
     parser.add_argument("--learning_rate", type=float, default=learning_rate, help="constant learning rate")
     parser.add_argument("--seed", type=int, default=0, help="data and step-order seed")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="work folder to keep (models, data, logs, results.json); default: a temporary one")
-    parser.add_argument("--markdown", default=None,
-                        help=f"file whose {section} section to regenerate (default docs/benchmarks.md; none: skip)")
-    parser.add_argument("--chart", type=Path, default=None,
-                        help=f"PNG chart of tokens/s and peak memory (default: img/{section}.png beside --markdown)")
+    add_output_args(parser, section, chart="tokens/s and peak memory")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model, vocab and data, 2 steps, 1 repeat; docs only to a --markdown file")
     parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
+
+
+def add_output_args(parser, section: str, chart: str | None) -> None:
+    """The flags of every benchmark that runs in a work folder and writes a docs section: --threads, --out,
+    --markdown and, where it draws one (``chart``: of what), --chart."""
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="work folder to keep (what the runs wrote, logs, results.json); default: a temporary one")
+    parser.add_argument("--markdown", default=None,
+                        help=f"file whose {section} section to regenerate (default docs/benchmarks.md; none: skip)")
+    if chart is not None:
+        parser.add_argument("--chart", type=Path, default=None,
+                            help=f"PNG chart of {chart} (default: img/{section}.png beside --markdown)")
 
 
 def given_flags(argv=None) -> str:
@@ -480,8 +595,9 @@ def speed_and_memory_charts(path: Path, summary: dict, arms, workload: str, titl
 
 
 def run_in_work_folder(args, benchmark, trl_worker, prefix: str) -> int:
-    """A comparison's entry: the TRL worker when asked, else ``benchmark(args, work)`` in --out or a temp folder."""
-    if args.trl_worker is not None:
+    """A benchmark's entry: ``trl_worker`` when --trl_worker asks for it, else ``benchmark(args, work)`` in --out
+    or a temporary folder (``trl_worker`` None: a benchmark with no TRL worker)."""
+    if trl_worker is not None and args.trl_worker is not None:
         return trl_worker(args.trl_worker)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

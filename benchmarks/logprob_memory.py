@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,33 +48,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens in the row (all labelled)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the LM head")
     parser.add_argument("--repeats", type=int, default=1, help="fresh-process runs of each case")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="work folder to keep (logs, results.json); default: a temporary one")
-    parser.add_argument("--markdown", default=None,
-                        help="file whose logprob_memory section to regenerate (default docs/benchmarks.md)")
-    parser.add_argument("--chart", type=Path, default=None,
-                        help="PNG chart of memory and time (default: img/logprob_memory.png beside --markdown)")
+    harness.add_output_args(parser, SECTION, chart="memory and time")
     parser.add_argument("--smoke", action="store_true",
                         help="one small vocab, 512 tokens; docs only to a --markdown file")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.vocabs, args.tokens, args.hidden, args.repeats = "4096", 512, 64, 1
-    args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, "logprob_memory", args.smoke)
+    args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, SECTION, args.smoke)
     args.vocab_sizes = [int(v) for v in args.vocabs.split(",")]
     return args
 
 
 # ---------------------------------------------------------------- one measurement, in its own process
-
-
-def _status_mb(key: str) -> float:
-    """VmRSS (now) or VmHWM (peak so far) of this process, in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(key)
 
 
 def full_logprobs(hidden, weight, labels):
@@ -95,13 +80,13 @@ def worker(spec_path: Path) -> int:
     weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.02).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=generator)
     compute = token_logprobs if spec["arm"] == "chunked" else full_logprobs
-    baseline = _status_mb("VmRSS")
+    baseline = harness.process_memory_mb()["VmRSS"]
     start = time.perf_counter()
     logprobs = compute(hidden, weight, labels)
     forward_s = time.perf_counter() - start
     logprobs.sum().backward()
     total_s = time.perf_counter() - start
-    result = {"baseline_mb": baseline, "peak_mb": _status_mb("VmHWM"), "forward_s": forward_s,
+    result = {"baseline_mb": baseline, "peak_mb": harness.process_memory_mb()["VmHWM"], "forward_s": forward_s,
               "backward_s": total_s - forward_s, "total_s": total_s, "logprob_sum": logprobs.sum().item(),
               "chunk_tokens": default_chunk_tokens(vocab) if spec["arm"] == "chunked" else tokens}
     result["extra_mb"] = result["peak_mb"] - baseline
@@ -260,11 +245,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         return worker(args.worker)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        return benchmark(args, args.out)
-    with tempfile.TemporaryDirectory(prefix="logprob_memory_") as work:  # removed after the run
-        return benchmark(args, Path(work))
+    return harness.run_in_work_folder(args, benchmark, None, "logprob_memory_")
 
 
 def benchmark(args, work: Path) -> int:

@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -66,12 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_tokens_per_gpu", type=int, default=2048, help="openpack's token cap (the issue's)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps of each run")
     parser.add_argument("--micro_batches", type=int, default=2, help="micro-batches per optimizer step")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="results.json of an earlier run, shown as the 'before' columns of the docs section")
-    parser.add_argument("--out", type=Path, default=None, help="work folder to keep; default: a temporary one")
-    parser.add_argument("--markdown", default=None,
-                        help=f"file whose {SECTION} section to regenerate (default docs/benchmarks.md; none: skip)")
+    harness.add_output_args(parser, SECTION, chart=None)
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and rows, 1 step; no docs")
     args = parser.parse_args(argv)
     args.flags = harness.given_flags(argv)
@@ -163,77 +158,6 @@ def trl_spec(command: str, args, setup: dict, run_dir: Path) -> tuple[Path, dict
     return Path(rm_vs_trl.__file__), {**pairs, "model": str(setup["reward_model"])}
 
 
-class TreeSampler:
-    """Every ``interval`` s: VmHWM and VmRSS of ``root`` and all its descendants, while it runs."""
-
-    def __init__(self, root: int, interval: float = 0.1):
-        self.root, self.interval = root, interval
-        self.processes: dict[int, dict] = {}  # pid -> {name, peak_mb}
-        self.peak_sum_mb = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            total = 0.0
-            for pid in _descendants(self.root):
-                status = _status(pid)
-                if status is None:
-                    continue
-                rss, hwm = status["VmRSS"], status["VmHWM"]
-                total += rss
-                entry = self.processes.setdefault(pid, {"name": _name(pid), "peak_mb": 0.0})
-                entry["peak_mb"] = max(entry["peak_mb"], hwm, rss)
-                if entry["name"].startswith(("ray::IDLE", "python")):  # a Ray worker names itself when it starts
-                    entry["name"] = _name(pid)
-            self.peak_sum_mb = max(self.peak_sum_mb, total)
-            time.sleep(self.interval)
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
-def _status(pid: int) -> dict | None:
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in lines if ":" in line)
-    if "VmRSS" not in fields:  # a zombie
-        return None
-    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
-
-
-def _name(pid: int) -> str:
-    try:
-        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "?"
-    words = [w.decode(errors="replace") for w in words if w]
-    if words and words[0].startswith("ray::"):
-        return words[0].split(".")[0]  # ray::_Rank.node: the actor, then the method it runs
-    return " ".join(Path(w).name if i < 2 else w for i, w in enumerate(words[:4]))
-
-
 def run_tree(argv: list[str], run_dir: Path, env: dict) -> dict:
     """``python argv`` (through harness's peak-recording wrapper), sampled; the largest process, the sum, phases."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -243,7 +167,7 @@ def run_tree(argv: list[str], run_dir: Path, env: dict) -> dict:
     with open(run_dir / "run.log", "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, MEMORY_TRACE: str(trace)},
                                    cwd=harness.REPO)
-        sampler = TreeSampler(process.pid)
+        sampler = harness.TreeSampler(process.pid)
         returncode = process.wait()
         sampler.stop()
     if returncode != 0:
@@ -276,8 +200,7 @@ def run_command(command: str, args, setup: dict, env: dict) -> dict:
     spec_path = Path(spec["out"]) / "spec.json"
     spec_path.write_text(json.dumps(spec))
     theirs = run_tree([str(script), "--trl_worker", str(spec_path)], work / f"trl_{command}_run", env)
-    trl_steps = json.loads((Path(spec["out"]) / "steps.json").read_text())
-    trl_steps = trl_steps["steps"] if isinstance(trl_steps, dict) else trl_steps
+    trl_steps = json.loads((Path(spec["out"]) / "steps.json").read_text())["steps"]
     metrics = [m for m in harness.read_jsonl(work / f"openpack_{command}" / "metrics.jsonl") if "loss" in m]
     result = {"command": command, "openpack": ours, "TRL": theirs, "ratio": ours["largest_mb"] / theirs["largest_mb"],
               "openpack_tokens_per_micro_batch": metrics[0]["tokens"] / metrics[0]["micro_batches"],
@@ -395,9 +318,7 @@ def benchmark(args, work: Path) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    args.trl_worker = None
-    return harness.run_in_work_folder(args, benchmark, None, "memory_real_model_")
+    return harness.run_in_work_folder(parse_args(argv), benchmark, None, "memory_real_model_")
 
 
 if __name__ == "__main__":

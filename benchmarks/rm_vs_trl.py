@@ -76,9 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # a reward step costs a fraction of a DPO step (no reference, no LM head): more steps and repeats, same budget;
     # one thread: see the module docstring
     parser.set_defaults(steps=8, repeats=4, threads=1)
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    args.command = reproduce_command(argv)
+    args.command = f"python benchmarks/rm_vs_trl.py {harness.given_flags(argv)}".rstrip()
     if args.smoke:
         args.pairs_per_step = 8
         harness.apply_smoke(args)
@@ -86,12 +85,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.pairs_per_step % TRL_MICRO_BATCH:
         parser.error(f"--pairs_per_step must be a multiple of TRL's micro-batch of {TRL_MICRO_BATCH} pairs")
     return args
-
-
-def reproduce_command(argv: list[str]) -> str:
-    """The command line as given, less ``--out DIR`` (a local work folder), for the docs."""
-    words = [w for i, w in enumerate(argv) if w != "--out" and (i == 0 or argv[i - 1] != "--out")]
-    return " ".join(["python benchmarks/rm_vs_trl.py", *words])
 
 
 # ---------------------------------------------------------------- TRL, in its own process
@@ -207,16 +200,10 @@ def run_openpack(args, setup: dict, run_dir: Path, env: dict) -> dict:
 
 
 def run_trl(args, setup: dict, run_dir: Path, env: dict) -> dict:
-    run_dir.mkdir(parents=True)
-    spec = {"model": str(setup["reward_model"]), "dataset": str(setup["trl_data"]), "out": str(run_dir),
+    spec = {"model": str(setup["reward_model"]), "dataset": str(setup["trl_data"]),
             "pairs_per_step": args.pairs_per_step, "steps": args.steps, "max_length": setup["row_cap"],
             "learning_rate": args.learning_rate, "seed": args.seed}
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    measured = harness.run_measured([__file__, "--trl_worker", str(spec_path)], run_dir.with_suffix(".log"), env)
-    harness.check_run(measured, "TRL RewardTrainer worker")
-    result = json.loads((run_dir / "steps.json").read_text())
-    return {**result, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
+    return harness.run_trl_worker(__file__, spec, run_dir, env, "TRL RewardTrainer worker")
 
 
 def run_all(args, setup: dict, work: Path) -> list[dict]:

@@ -199,19 +199,12 @@ def run_openpack(args, setup: dict, run_dir: Path, env: dict) -> dict:
 
 
 def run_trl(args, setup: dict, run_dir: Path, env: dict, packing: bool) -> dict:
-    run_dir.mkdir(parents=True)
     dataset = setup["trl_packed_data"] if packing else setup["trl_data"]
-    spec = {"model": str(setup["model"]), "dataset": str(dataset), "out": str(run_dir),
+    spec = {"model": str(setup["model"]), "dataset": str(dataset),
             "packing": packing, "max_length": setup["row_cap"], "steps": args.steps,
             "accumulation": setup["packed_accumulation"] if packing else args.samples_per_step // TRL_MICRO_BATCH,
             "learning_rate": args.learning_rate, "seed": args.seed}
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    measured = harness.run_measured([__file__, "--trl_worker", str(spec_path)],
-                                    run_dir.with_suffix(".log"), env)
-    harness.check_run(measured, f"TRL SFTTrainer worker (packing={packing})")
-    report = json.loads((run_dir / "steps.json").read_text())
-    return {**report, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
+    return harness.run_trl_worker(__file__, spec, run_dir, env, f"TRL SFTTrainer worker (packing={packing})")
 
 
 def run_all(args, setup: dict, work: Path) -> list[dict]:

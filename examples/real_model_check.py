@@ -32,8 +32,10 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import harness  # noqa: E402  (benchmarks/harness.py: the process-tree memory sampler)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -137,55 +139,6 @@ def commands(model: pathlib.Path, data: dict, out: pathlib.Path) -> dict[str, li
     }
 
 
-class TreeMemory:
-    """Samples a process tree every ``interval`` s: peak PSS of all processes together, peak RSS of the largest.
-
-    PSS splits shared pages (Ray's object store, libraries) among the processes that map them, so the sum is
-    the memory the run really holds; Ray's processes (GCS, raylet, actors) descend from the driver.
-    """
-
-    def __init__(self, pid: int, interval: float = 0.5):
-        self.pid, self.interval = pid, interval
-        self.total_peak = self.largest_peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        import psutil
-
-        root = psutil.Process(self.pid)
-        while not self._stop.wait(self.interval):
-            try:
-                processes = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
-            total = largest = 0
-            for process in processes:
-                pss, rss = _pss_and_rss(process.pid)
-                total += pss
-                largest = max(largest, rss)
-            self.total_peak, self.largest_peak = max(self.total_peak, total), max(self.largest_peak, largest)
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join()
-
-
-def _pss_and_rss(pid: int) -> tuple[int, int]:
-    """(Pss, Rss) of a process in bytes, from /proc/<pid>/smaps_rollup; (0, 0) for a process that has ended."""
-    values = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("Pss", "Rss"):
-                    values[key] = int(rest.split()[0]) * 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return values.get("Pss", 0), values.get("Rss", 0)
-
-
 def run(name: str, argv: list[str], logs: pathlib.Path) -> dict:
     """One ``openpack`` command in a subprocess, its memory sampled; its output goes to ``logs/<name>.log``."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -193,11 +146,12 @@ def run(name: str, argv: list[str], logs: pathlib.Path) -> dict:
     with open(logs / f"{name}.log", "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "openpack.cli.main", *argv], stdout=log,
                                    stderr=subprocess.STDOUT)
-        memory = TreeMemory(process.pid)
+        # PSS: Ray's object store and the libraries, mapped by many processes, count once in the sum
+        memory = harness.TreeSampler(process.pid, interval=0.5, pss=True)
         code = process.wait()
         memory.stop()
-    return {"exit": code, "seconds": round(time.monotonic() - start), "all_processes_gib": memory.total_peak / 2**30,
-            "largest_process_gib": memory.largest_peak / 2**30}
+    return {"exit": code, "seconds": round(time.monotonic() - start), "all_processes_gib": memory.peak_sum_mb / 1024,
+            "largest_process_gib": memory.largest_mb() / 1024}
 
 
 def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
