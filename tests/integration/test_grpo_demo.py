@@ -24,6 +24,12 @@ def test_grpo_demo_raises_held_out_exact_match(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "running the built-in demo" in result.stdout
     assert "ray: rank 0 pid" in result.stdout  # no --launcher: Ray
+    console = result.stdout + result.stderr  # issue 24, item 3: nothing a user would read as a crash or noise
+    for noise in ("Traceback", "Chat template warmup failed", "Writing model shards", "Loading weights", "\x1b[",
+                  "Token authentication", "LD_PRELOAD"):
+        assert noise not in console, (noise, console[-4000:])
+    rl_steps = [line for line in result.stdout.splitlines() if line.startswith("step ") and "  reward " in line]
+    assert rl_steps and all("  vllm_logp_diff " in line for line in rl_steps), rl_steps[:3]
     try:
         import vllm  # noqa: F401
         assert "ray: vllm engine 0 pid" in result.stdout  # auto picks vLLM where it imports
