@@ -21,6 +21,7 @@ from openpack.cli import train_sft
 from openpack.distributed.checkpoint import verify
 from openpack.distributed.process import free_port
 
+from hang_guard import HANG_S
 from saved_runs import read_metrics
 
 FLAGS = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
@@ -109,7 +110,7 @@ def test_resume_on_another_world_size_is_refused(tmp_path, sft, tiny_pretrain, s
            "-m", "openpack.cli.main", "train_sft", "--pretrain", tiny_pretrain, "--dataset", sft_jsonl,
            "--save_path", str(tmp_path), *FLAGS, "--load_checkpoint", "--max_steps", "3"]
     result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=HANG_S)
     assert result.returncode != 0
     assert "written by 1 rank(s) and this run has 2" in result.stderr, result.stderr[-3000:]
     assert tags(tmp_path) == ["global_step2"]
@@ -222,7 +223,7 @@ def test_a_full_disk_under_ray_reaches_the_user(tmp_path, tiny_pretrain, sft_jso
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_sft", "--pretrain", tiny_pretrain,
                              "--dataset", sft_jsonl, "--save_path", str(tmp_path), *FLAGS, "--save_steps", "1",
                              "--num_gpus_per_node", "1", "--num_cpus_per_worker", "1"],
-                            capture_output=True, text=True, timeout=300, env=env)
+                            capture_output=True, text=True, timeout=HANG_S, env=env)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("openpack train_sft: no space left on device while writing checkpoint "

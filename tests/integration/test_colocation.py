@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hang_guard import HANG_S
 from saved_runs import read_metrics
 
 SCRIPT = Path(__file__).with_name("colocation_script.py")
@@ -28,7 +29,7 @@ def test_a_turn_wakes_pushes_offloads_generates_sleeps_reloads_and_vllm_scores_w
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "model")], env=env, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["calls"] == [
@@ -59,7 +60,7 @@ def test_a_colocated_ray_run_samples_with_the_trainers_weights_at_every_step(rl_
             "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path / "run"), *COMMON,
             "--zero_stage", "3", "--launcher", "ray", "--num_gpus_per_node", "2"]
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", *argv], capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            timeout=HANG_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     assert "ray: vllm engine 0 pid" in result.stdout
     assert "ray: placing 1 vllm engine" not in result.stdout  # no placement group of its own

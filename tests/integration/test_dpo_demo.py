@@ -20,13 +20,14 @@ import sys
 
 import pytest
 
+from hang_guard import HANG_S
 from saved_runs import read_metrics
 
 
 @pytest.mark.slow
 def test_dpo_demo_teaches_the_preferred_answer_form(tmp_path):
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_dpo", "--packing_samples",
-                             "--save_path", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                             "--save_path", str(tmp_path)], capture_output=True, text=True, timeout=HANG_S,
                             env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "running the built-in demo" in result.stdout

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from openpack.cli import train_dpo, train_rm, train_sft
 
+from hang_guard import HANG_S
 from saved_runs import load_weights, read_metrics
 
 LORA = ["--lora_rank", "8", "--lora_alpha", "16"]
@@ -247,7 +248,7 @@ def test_ppo_with_lora_syncs_merged_weights_to_vllm(tmp_path, rl_model):
             "0.05", "--rollout_backend", "vllm", "--zero_stage", "3", "--packing_samples", "--use_dynamic_batch",
             "--max_tokens_per_gpu", "96", "--launcher", "local", *LORA]
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_ppo", *argv], capture_output=True,
-                            text=True, timeout=600, check=False)
+                            text=True, timeout=HANG_S, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2]

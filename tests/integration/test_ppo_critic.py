@@ -19,6 +19,7 @@ import pytest
 from openpack.cli import train_ppo
 from openpack.distributed.process import free_port
 
+from hang_guard import HANG_S
 from saved_runs import assert_same_critic, assert_same_run, read_metrics
 
 COMMON = ["--advantage_estimator", "gae", "--gamma", "0.9", "--lambd", "0.8", "--value_clip", "0.2",
@@ -89,7 +90,7 @@ def test_two_ranks_equal_one_rank(reference_run, tmp_path, ppo_models):
            "-m", "openpack.cli.main", "train_ppo", *ppo_argv(tmp_path / "two", ppo_models,
                                                                   *LAYOUTS["packed_dynamic"])]
     result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_run(tmp_path / "two", reference_run)
     assert_same_critic(tmp_path / "two", reference_run)

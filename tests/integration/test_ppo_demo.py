@@ -14,13 +14,14 @@ import sys
 
 import pytest
 
+from hang_guard import HANG_S
 from saved_runs import read_metrics
 
 
 @pytest.mark.slow
 def test_ppo_demo_raises_held_out_exact_match_through_a_reward_model(tmp_path):
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_ppo", "--save_path", str(tmp_path)],
-                            capture_output=True, text=True, timeout=1200, env=dict(os.environ), check=False)
+                            capture_output=True, text=True, timeout=HANG_S, env=dict(os.environ), check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "running the built-in demo" in result.stdout and "ppo.yaml" in result.stdout
     metrics = read_metrics(tmp_path)

@@ -19,6 +19,7 @@ import pytest
 
 from saved_runs import assert_same_run, read_metrics
 from openpack.cli import train_dpo
+from hang_guard import HANG_S
 
 SFT = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
        "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100",
@@ -36,7 +37,7 @@ LOOPBACK_RAY = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_ENABLE_WINDOWS_OR_OSX_
 
 def openpack(*argv, env=None):
     return subprocess.run([sys.executable, "-m", "openpack.cli.main", *argv], capture_output=True, text=True,
-                          timeout=300, env={**LOOPBACK_RAY, **(env or {})})
+                          timeout=HANG_S, env={**LOOPBACK_RAY, **(env or {})})
 
 
 def rank_pids(output: str) -> dict[int, int]:
@@ -107,7 +108,7 @@ sys.exit(code)
 def test_simulated_two_node_cluster(tmp_path, dpo_args, local_dpo):
     """Two Ray nodes of one CPU each: one rank lands on each, and train_dpo equals one local rank."""
     result = subprocess.run([sys.executable, "-c", TWO_NODES, *dpo_args, "--save_path", str(tmp_path / "two_nodes")],
-                            capture_output=True, text=True, timeout=300, env=LOOPBACK_RAY)
+                            capture_output=True, text=True, timeout=HANG_S, env=LOOPBACK_RAY)
     assert result.returncode == 0, result.stderr[-3000:]
     nodes = {line.split(" on node ")[1] for line in result.stdout.splitlines() if line.startswith("ray: rank ")}
     assert len(nodes) == 2, result.stdout

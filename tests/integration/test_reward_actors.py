@@ -17,6 +17,7 @@ import pytest
 
 from saved_runs import assert_same_run, read_metrics
 from test_ppo_critic import COMMON, LAYOUTS, ppo_argv
+from hang_guard import HANG_S
 
 pytest.importorskip("ray")
 RAY = [*COMMON[:-2], "--launcher", "ray", "--num_gpus_per_node", "1", *LAYOUTS["packed_dynamic"]]
@@ -29,7 +30,7 @@ def run(save_path, root, *flags, wait=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if wait is not True:  # a file for stdout: started, not waited for
         return subprocess.Popen(argv, env=env, stdout=wait, stderr=subprocess.PIPE, text=True)
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
 

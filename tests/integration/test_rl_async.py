@@ -28,6 +28,7 @@ from test_rl_resume_faults import LOOPBACK_RAY, RL, rewound, rl_task  # noqa: F4
 
 LOGGED_REWARD = """
 import json, os
+from hang_guard import HANG_S
 
 
 def logged(prompts, completions, rows):
@@ -51,7 +52,7 @@ def grpo(task, save_path, *flags, log=None):
             *flags]
     env = {**LOOPBACK_RAY, "REWARD_LOG": str(log or save_path.parent / f"{save_path.name}.rewards")}
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", *argv], capture_output=True, text=True,
-                            timeout=600, env=env, check=False)
+                            timeout=HANG_S, env=env, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     return save_path
 

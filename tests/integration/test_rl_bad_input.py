@@ -14,6 +14,7 @@ import pytest
 
 from openpack.cli import train_grpo
 from reward_server import RewardServer
+from hang_guard import HANG_S
 from saved_runs import load_weights, read_metrics
 
 SMALL = ["--n_samples_per_prompt", "2", "--rollout_batch_size", "2", "--train_batch_size", "4",
@@ -190,7 +191,7 @@ def test_a_model_vllm_cannot_serve_is_refused_before_any_engine_starts(launcher,
             f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path / "out"), *SMALL[:-4],
             "--rollout_backend", "vllm", "--launcher", launcher]
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_grpo", *argv], capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=HANG_S)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
@@ -205,7 +206,7 @@ def start_error_line(script: str, model) -> str:
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     line = next((line for line in result.stdout.splitlines() if line.startswith("EngineStartError:")), "")
     assert line.startswith(f"EngineStartError: vLLM could not start an engine for {model}: "), \
         result.stdout[-2000:] + result.stderr[-2000:]

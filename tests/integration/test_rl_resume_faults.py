@@ -32,6 +32,7 @@ import pytest
 
 from openpack.cli import train_grpo
 from openpack.distributed.checkpoint import verify
+from hang_guard import HANG_S
 from saved_runs import assert_same_run, read_metrics, save_tiny_llama
 
 RL = ["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
@@ -76,7 +77,7 @@ def grpo_flags(rl_task, save_path, *flags, reward="vowels"):
             *flags]
 
 
-def openpack(*argv, timeout=300):
+def openpack(*argv, timeout=HANG_S):
     return subprocess.run([sys.executable, "-m", "openpack.cli.main", *argv], capture_output=True, text=True,
                           timeout=timeout, env=LOOPBACK_RAY)
 

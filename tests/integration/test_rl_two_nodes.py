@@ -37,6 +37,7 @@ PPO = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--rollout_back
 TWO_NODES = """
 import signal, subprocess, sys
 from ray.cluster_utils import Cluster
+from hang_guard import HANG_S
 
 def too_long(*_):
     raise TimeoutError("the run took more than 280 s")
@@ -78,10 +79,10 @@ def test_ppo_on_two_nodes_places_every_actor_and_equals_one_local_process(ppo_mo
     pytest.importorskip("vllm")
     local = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_ppo",
                             *ppo_argv(ppo_models, tmp_path / "local", "--launcher", "local")],
-                           capture_output=True, text=True, timeout=300, env=ENV)
+                           capture_output=True, text=True, timeout=HANG_S, env=ENV)
     assert local.returncode == 0, local.stderr[-4000:]
     ray = subprocess.run([sys.executable, "-c", TWO_NODES, *ppo_argv(ppo_models, tmp_path / "two_nodes")],
-                         capture_output=True, text=True, timeout=300, env=ENV)
+                         capture_output=True, text=True, timeout=HANG_S, env=ENV)
     assert ray.returncode == 0, ray.stderr[-4000:]
 
     where = placed(ray.stdout)

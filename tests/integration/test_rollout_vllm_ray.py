@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang_guard import HANG_S
 
 pytest.importorskip("vllm")
 pytest.importorskip("ray")
@@ -23,7 +24,7 @@ SCRIPT = Path(__file__).with_name("rollout_vllm_ray_script.py")
 def test_engine_actors_generate_sync_and_report_a_dead_engine(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "model")], env=env,
-                            capture_output=True, text=True, timeout=240)
+                            capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["shape"] == [2, 2, 2, 2] and all(report["lengths"])

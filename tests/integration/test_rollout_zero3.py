@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from openpack.distributed.process import free_port
+from hang_guard import HANG_S
 
 SCRIPT = Path(__file__).with_name("rollout_zero3_script.py")
 
@@ -21,7 +22,7 @@ def test_policy_weights_gather_zero3_parameters_one_by_one():
            "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(SCRIPT)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     assert report == {"names": True, "equal": True, "buckets": report["buckets"], "partitioned_after": True}

@@ -15,6 +15,7 @@ import torch
 from saved_runs import write_pairs
 
 from openpack.cli import score, train_rm
+from hang_guard import HANG_S
 
 # --max_len 128: nothing is truncated, so the rows scored are exactly the sequences trained on
 TRAIN = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--max_len", "128",
@@ -183,7 +184,7 @@ def test_a_ray_group_of_two_scores_as_one_process(reward_model, rows_jsonl, tmp_
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "score", "--reward_pretrain", str(reward_model),
                              "--dataset", str(rows_jsonl), "--output", str(on_ray), "--launcher", "ray",
                              "--reward_num_gpus_per_node", "2", "--num_cpus_per_worker", "1"],
-                            capture_output=True, text=True, timeout=300,
+                            capture_output=True, text=True, timeout=HANG_S,
                             env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert len([line for line in result.stdout.splitlines() if line.startswith("ray: reward ")]) == 2

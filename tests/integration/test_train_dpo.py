@@ -14,6 +14,7 @@ import pytest
 from openpack.cli import train_dpo
 from openpack.distributed.process import free_port
 
+from hang_guard import HANG_S
 from saved_runs import assert_same_run, read_metrics, write_pairs
 
 # --adam_epsilon 1e-6: AdamW moves a weight by lr * g / (|g| + eps). With eps 1e-8 one gate_proj weight whose
@@ -103,7 +104,7 @@ def test_two_ranks_equal_one_rank(reference_run, tmp_path, tiny_pretrain, tiny_r
            "-m", "openpack.cli.main", "train_dpo", "--pretrain", tiny_pretrain, "--ref_pretrain", tiny_reference,
            "--dataset", dpo_jsonl, "--save_path", str(tmp_path / "two"), *COMMON[:-2], *LAYOUTS["packed_dynamic"]]
     assert COMMON[-2:] == ["--launcher", "local"]  # left out: under torchrun each process is a rank whatever --launcher says
-    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_run(tmp_path / "two", reference_run)
 

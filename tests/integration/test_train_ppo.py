@@ -18,6 +18,7 @@ import pytest
 from openpack.cli import train_grpo, train_ppo
 from openpack.distributed.process import free_port
 
+from hang_guard import HANG_S
 from saved_runs import assert_same_run, read_metrics
 
 COMMON = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "8", "--max_epochs", "2",
@@ -82,7 +83,7 @@ def test_two_ranks_equal_one_rank(reference_runs, tmp_path, rl_model):
            str(rl_model / "prompts.jsonl"), "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path",
            str(tmp_path / "two"), *COMMON[:-2], "--loss_agg_mode", "token_mean", *LAYOUTS["packed_dynamic"]]
     assert COMMON[-2:] == ["--launcher", "local"]  # under torchrun each process is a rank whatever --launcher says
-    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_run(tmp_path / "two", reference_runs["token_mean"])
 
@@ -101,7 +102,7 @@ def vllm_run(tmp_path_factory, rl_model):
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
             "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(save_path), *COMMON, *VLLM_FLAGS]
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_grpo", *argv], capture_output=True,
-                            text=True, timeout=600, check=False)
+                            text=True, timeout=HANG_S, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     (save_path.parent / "console.txt").write_text(result.stdout + result.stderr)
     return save_path

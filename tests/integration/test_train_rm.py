@@ -16,6 +16,7 @@ from saved_runs import assert_same_run, read_metrics, write_pairs
 
 from openpack.cli import train_rm
 from openpack.distributed.process import free_port
+from hang_guard import HANG_S
 
 # --adam_epsilon 1e-6: as in test_train_dpo.py, weights are compared after Adam, which divides a float-noise
 # gradient by eps.
@@ -69,7 +70,7 @@ def test_two_ranks_equal_one_rank(reference_run, tmp_path, tiny_pretrain, rm_jso
            "-m", "openpack.cli.main", "train_rm", "--pretrain", tiny_pretrain, "--dataset", rm_jsonl,
            "--save_path", str(tmp_path / "two"), *COMMON[:-2], *LAYOUTS["packed_dynamic"]]
     assert COMMON[-2:] == ["--launcher", "local"]  # left out: under torchrun each process is a rank
-    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_run(tmp_path / "two", reference_run)
 

@@ -15,6 +15,7 @@ import pytest
 from openpack.cli import train_sft
 from openpack.distributed.process import free_port
 
+from hang_guard import HANG_S
 from saved_runs import assert_same_run, read_metrics
 
 COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
@@ -74,7 +75,7 @@ def torchrun(save_path, pretrain, dataset, *flags, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
            "-m", "openpack.cli.main", "train_sft", "--pretrain", pretrain, "--dataset", dataset,
            "--save_path", str(save_path), *COMMON, *flags]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-4000:]
     return save_path
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang_guard import HANG_S
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_real_model.py"
 
@@ -16,7 +17,7 @@ def test_memory_real_model_smoke(tmp_path):
     doc = tmp_path / "benchmarks.md"
     cmd = [sys.executable, str(SCRIPT), "--smoke", "--commands", "sft", "--out", str(tmp_path / "work"),
            "--markdown", str(doc)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (sft,) = json.loads((tmp_path / "work" / "results.json").read_text())["results"]
     ours, theirs = sft["openpack"], sft["TRL"]

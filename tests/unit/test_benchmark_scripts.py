@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang_guard import HANG_S
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -25,7 +26,7 @@ def run_smoke(script: str, tmp_path: Path) -> tuple[dict, str]:
     doc.write_text("# Benchmarks\n\n## Kept section\n\nuntouched\n")
     cmd = [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(tmp_path / "work"),
            "--markdown", str(doc)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\n## Kept section\n\nuntouched\n")  # other sections are kept
@@ -104,7 +105,7 @@ def test_gpu_mfu_smoke_on_cpu(tmp_path):
     """The GPU benchmark's code path on a tiny model on CPU: packed rows are all real tokens, padded are not."""
     doc = tmp_path / "benchmarks.md"
     cmd = [sys.executable, str(BENCHMARKS / "gpu_mfu.py"), "--smoke", "--markdown", str(doc)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {line.split("|")[2].strip(): line.split("|") for line in doc.read_text().splitlines()
             if line.startswith("| smoke |")}

@@ -8,6 +8,7 @@ import torch
 from openpack.core.batch import IGNORE_INDEX
 from openpack.core.fused_loss import FusedLoss, fused_segment_loss, plan_fused_chunks
 from openpack.core.logprobs import token_logprobs
+from hang_guard import HANG_S
 
 T, H, V = 40, 8, 50
 
@@ -105,7 +106,7 @@ def test_benchmark_smoke(tmp_path):
     doc = tmp_path / "benchmarks.md"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_loss.py"
     cmd = [sys.executable, str(script), "--smoke", "--out", str(tmp_path / "work"), "--markdown", str(doc)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "work" / "results.json").read_text())["summary"]
     assert summary["max_loss_diff"] < 1e-4 and summary["max_grad_diff"] < 1e-4
