@@ -215,9 +215,14 @@ def moved_to(batch, device):
     """
     values = {f.name: getattr(batch, f.name) for f in fields(batch)}
     if "label_positions" in values and values["label_positions"] is None and values["labels"].device.type == "cpu":
-        values["label_positions"] = (values["labels"].reshape(-1) != IGNORE_INDEX).nonzero()[:, 0]
+        values["label_positions"] = label_positions(values["labels"])
     return type(batch)(**{k: v.to(device) if isinstance(v, SharedPrefix) else
                           host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+
+
+def label_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Where the labels are in ``labels`` flattened: [N] int64 (on a GPU tensor, ``nonzero`` waits for the GPU)."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero()[:, 0]
 
 
 def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:

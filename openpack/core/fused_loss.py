@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from openpack.core.batch import IGNORE_INDEX, host_to_device
+from openpack.core.batch import host_to_device, label_positions
 from openpack.core.logprobs import default_chunk_tokens
 
 
@@ -53,7 +53,7 @@ def plan_fused_chunks(labels: torch.Tensor, group_of_token: torch.Tensor | None,
     ends only where a group does, so it holds at least one whole group and otherwise up to ``chunk_tokens``
     positions. None: the loss is linear in the sums, any cut is fine, and chunks are ``chunk_tokens`` long.
     """
-    positions = (labels.reshape(-1) != IGNORE_INDEX).nonzero()[:, 0]
+    positions = label_positions(labels)
     if group_of_token is None:
         n = positions.numel()
         return positions, [(lo, min(lo + chunk_tokens, n)) for lo in range(0, n, chunk_tokens)]

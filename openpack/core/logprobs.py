@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openpack.core.batch import CHOSEN, IGNORE_INDEX, REJECTED, PackedBatch
+from openpack.core.batch import CHOSEN, REJECTED, PackedBatch, label_positions
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 26  # logits per chunk: 64M floats = 256 MiB in fp32
 
@@ -115,7 +115,7 @@ def token_logprobs(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
     if positions is None:
-        positions = (labels != IGNORE_INDEX).nonzero()[:, 0]
+        positions = label_positions(labels)
     picked_entropy = None if entropy is None else torch.zeros(positions.numel(), device=hidden.device)
     rows = positions if sources is None else sources.reshape(-1)[positions]
     picked = _ChunkedLabelLogprobs.apply(hidden[rows], weight, labels[positions], chunk_tokens, picked_entropy)

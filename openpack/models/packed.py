@@ -65,24 +65,23 @@ def packed_token_logprobs(model, batch: PackedBatch, chunk_tokens: int | None = 
 def padded_token_logprobs(model, batch: PaddedBatch, chunk_tokens: int | None = None,
                           entropy: torch.Tensor | None = None) -> torch.Tensor:
     """The unpacked baseline: [B * L] fp32 log-probs of right-padded rows (plain SDPA with a padding mask)."""
-    weight = lm_head_weight(model)
-    output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    return token_logprobs(output.last_hidden_state, weight, batch.labels.reshape(-1), chunk_tokens, entropy,
-                          positions=batch.label_positions)
+    return token_logprobs(padded_forward(model, batch), lm_head_weight(model), batch.labels.reshape(-1), chunk_tokens,
+                          entropy, positions=batch.label_positions)
+
+
+def padded_forward(model, batch: PaddedBatch) -> torch.Tensor:
+    """Final hidden states [B, L, H] of right-padded rows (plain SDPA with a padding mask)."""
+    return model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                               use_cache=False).last_hidden_state
 
 
 def fused_batch_loss(model, batch: PackedBatch | PaddedBatch, fused: FusedLoss,
                      chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, per-segment sums of label log-probs [S]) with the head, loss and gradients fused (``--fused_loss``)."""
-    weight = lm_head_weight(model)
-    if isinstance(batch, PackedBatch):
-        hidden, sources = packed_forward(model, batch), batch.label_source
-    else:
-        hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                     use_cache=False).last_hidden_state
-        sources = None
-    return fused_segment_loss(hidden, weight, batch.segment_ids, batch.labels, batch.num_segments, fused, chunk_tokens,
-                              sources)
+    packed = isinstance(batch, PackedBatch)
+    hidden = packed_forward(model, batch) if packed else padded_forward(model, batch)
+    return fused_segment_loss(hidden, lm_head_weight(model), batch.segment_ids, batch.labels, batch.num_segments,
+                              fused, chunk_tokens, batch.label_source if packed else None)
 
 
 class PackedCausalLM(torch.nn.Module):

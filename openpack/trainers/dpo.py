@@ -81,8 +81,7 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
-        table = PairTable(batch, dist.device)
-        host_labels, host_pairs = batch.labels, batch.sample_index[batch.segment_ids]  # fused chunks: whole pairs
+        table, host_batch = PairTable(batch, dist.device), batch
         batch = batch.to(dist.device)
         ref_sums = None if objective.reference is None else objective.reference.segment_sums(batch).to(dist.device)
 
@@ -91,7 +90,8 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
             return logps, pair_losses(logps, params, objective.loss_types, objective.loss_weights)
 
         if objective.fused:  # the head, the loss and its gradients in one pass (core/fused_loss.py)
-            fused = FusedLoss(lambda segment_sums: evaluate(segment_sums)[1].sum() * scale, host_labels, host_pairs)
+            fused = FusedLoss(lambda segment_sums: evaluate(segment_sums)[1].sum() * scale, host_batch.labels,
+                              host_batch.sample_index[host_batch.segment_ids])  # chunks of whole pairs
             loss, segment_sums = engine(batch, fused=fused)
             logps, losses = evaluate(segment_sums)
         else:

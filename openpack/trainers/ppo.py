@@ -32,7 +32,7 @@ import torch
 
 from openpack.core.advantages import (clip_rewards, gae, kl, overlong_penalty, sequence_advantages, token_returns,
                                       token_rewards, whiten, whitens)
-from openpack.core.batch import Segment
+from openpack.core.batch import Segment, host_to_device
 from openpack.core.rl_losses import PolicyLossParams, policy_terms, token_weights, value_terms
 from openpack.core.schedule import Batching, RankStep, plan_run, plan_scoring
 from openpack.distributed.engine import optimizer_step
@@ -129,17 +129,15 @@ def per_sample(batch, values: torch.Tensor, lengths: list[int]) -> dict[int, tor
 
 
 def in_batch_order(ids: list[int], values: dict[int, torch.Tensor] | list[torch.Tensor], device) -> torch.Tensor:
-    """Per-sample tensors of the samples ``ids`` (a batch's, in order) laid out like ``response_values``: [N].
-
-    The copy to the device does not wait for it (``non_blocking``; from pageable memory CUDA stages the source
-    before returning, so it is safe to free)."""
-    return torch.cat([values[k] for k in ids]).to(device, non_blocking=True)
+    """Per-sample tensors of the samples ``ids`` (a batch's, in order) laid out like ``response_values``: [N],
+    copied without waiting for the device (``host_to_device``)."""
+    return host_to_device(torch.cat([values[k] for k in ids]), device)
 
 
 def response_segment_ids(ids: list[int], lengths: list[int], device) -> torch.Tensor:
     """Which segment of the batch of samples ``ids`` each completion token belongs to: [N] (0..S-1)."""
     counts = torch.tensor([lengths[k] for k in ids])
-    return torch.repeat_interleave(torch.arange(len(counts)), counts).to(device, non_blocking=True)
+    return host_to_device(torch.repeat_interleave(torch.arange(len(counts)), counts), device)
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ class ModelReference:
     @torch.no_grad()
     def segment_sums(self, batch) -> torch.Tensor:
         batch = batch.to(self.device)
-        return segment_logprobs(batch, self.engine(batch)).sum
+        return segment_logprobs(batch, self(batch)).sum
 
     @torch.no_grad()
     def __call__(self, batch) -> torch.Tensor:
@@ -52,17 +52,12 @@ class ModelReference:
         return self.engine(batch.to(self.device))
 
 
-class AdapterReference:
+class AdapterReference(ModelReference):
     """LoRA's reference: the policy's own engine with its adapters disabled (peft's ``disable_adapter``), so the
-    frozen base model, loaded once, scores as the reference. Same calls as ``ModelReference``."""
+    frozen base model, loaded once, scores as the reference. The policy's engine stays in training mode."""
 
     def __init__(self, engine, model, device):
         self.engine, self.model, self.device = engine, model, device
-
-    @torch.no_grad()
-    def segment_sums(self, batch) -> torch.Tensor:
-        batch = batch.to(self.device)
-        return segment_logprobs(batch, self(batch)).sum
 
     @torch.no_grad()
     def __call__(self, batch) -> torch.Tensor:

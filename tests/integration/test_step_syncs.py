@@ -110,23 +110,18 @@ def test_sft_reads_nothing_per_micro_batch(tmp_path, tiny_pretrain, sft_jsonl):
     assert_no_reads_per_micro_batch(runs)
 
 
-def test_dpo_reads_nothing_per_micro_batch(tmp_path, tiny_pretrain, tiny_reference):
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_pair_steps_read_nothing_per_micro_batch(command, tmp_path, tiny_pretrain, tiny_reference):
+    main, worker, step, reference = {
+        "dpo": (train_dpo.main, openpack.trainers.dpo_worker, "dpo_step", ["--ref_pretrain", tiny_reference]),
+        "rm": (train_rm.main, openpack.trainers.rm_worker, "rm_step", []),
+    }[command]
     dataset = str(write_pairs(tmp_path / "pairs.jsonl"))
     runs = {}
     for micro_batches, layout in LAYOUTS.items():
-        with counting(openpack.trainers.dpo_worker, "dpo_step") as runs[micro_batches]:
-            assert train_dpo.main(["--pretrain", tiny_pretrain, "--ref_pretrain", tiny_reference, "--dataset",
-                                   dataset, "--save_path", str(tmp_path / str(micro_batches)), *STEPS, *layout]) == 0
-    assert_no_reads_per_micro_batch(runs)
-
-
-def test_rm_reads_nothing_per_micro_batch(tmp_path, tiny_pretrain):
-    dataset = str(write_pairs(tmp_path / "pairs.jsonl"))
-    runs = {}
-    for micro_batches, layout in LAYOUTS.items():
-        with counting(openpack.trainers.rm_worker, "rm_step") as runs[micro_batches]:
-            assert train_rm.main(["--pretrain", tiny_pretrain, "--dataset", dataset, "--save_path",
-                                  str(tmp_path / str(micro_batches)), *STEPS, *layout]) == 0
+        with counting(worker, step) as runs[micro_batches]:
+            assert main(["--pretrain", tiny_pretrain, *reference, "--dataset", dataset, "--save_path",
+                         str(tmp_path / str(micro_batches)), *STEPS, *layout]) == 0
     assert_no_reads_per_micro_batch(runs)
 
 
