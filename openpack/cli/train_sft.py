@@ -262,8 +262,9 @@ def demo_sft_model(launch_cfg: LaunchConfig, seed: int) -> Path:
         print(f"openpack: training the SFT demo model first (cached in {cache})")
         launch_flags = ["--launcher", launch_cfg.launcher] + (["--ray_address", launch_cfg.ray_address]
                                                               if launch_cfg.ray_address else [])
-        if main(["--save_path", str(cache), "--seed", str(seed), *launch_flags]) != 0:
-            raise RuntimeError("the SFT demo run failed; see its output above")
+        code = main(["--save_path", str(cache), "--seed", str(seed), *launch_flags])
+        if code != 0:  # the stage said why (or was stopped: 130, 143); its exit code is the command's, no traceback
+            raise SystemExit(code)
     return cache / "model"
 
 
