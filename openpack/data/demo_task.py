@@ -27,9 +27,9 @@ SFT demo's data answers in the bare form ``"42"`` or the wordy form
 wordily under greedy decoding. The preference pairs always choose the bare
 right answer and reject either the wordy form of it or a plausible mistake:
 the preference for the bare form is in no SFT row. With the demos' defaults
-(seed 42, 2 CPU cores) SFT gives 99.0% right answers, 1.1% of them bare; DPO
-with its NLL term then gives 99.3% right, every one bare. Without the NLL term DPO
-also makes every answer bare but only 77.6% right: it lowers the rejected
+(seed 42, 2 CPU cores, 2026-11-25) SFT gives 98.2% right answers, 0.6% of them bare;
+DPO with its NLL term then gives 99.0% right, every one bare. Without the NLL term
+DPO also makes every answer bare but only 74.0% right: it lowers the rejected
 answers' likelihood faster than it raises the chosen ones' (docs/dpo.md).
 """
 

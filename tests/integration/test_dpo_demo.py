@@ -3,14 +3,14 @@
 It trains (or reuses from the cache) the SFT demo model, whose answers are right but mostly wordy ("it is
 42", as 7 in 10 SFT answers are), then DPO on pairs that always prefer the bare right answer. Measured with
 `openpack train_dpo --packing_samples --seed S` for S = 42, 1, 2 on a fresh cache (2 CPU cores,
-2026-11-23; docs/dpo.md):
+2026-11-25; docs/dpo.md):
 
     seed  right answers (either form)  bare right answers  preference accuracy
-    42    99.0% -> 99.3%               1.1% -> 99.3%       50% -> 93.2%
-    1     99.1% -> 99.2%               0.7% -> 99.2%       50% -> 96.8%
-    2     95.1% -> 97.6%               0.5% -> 97.6%       50% -> 93.4%
+    42    98.2% -> 99.0%               0.6% -> 99.0%       50% -> 95.9%
+    1     99.0% -> 99.0%               0.9% -> 99.0%       50% -> 94.8%
+    2     89.6% -> 92.7%               0.0% -> 92.7%       50% -> 90.6%
 
-The assertions are what held for all three seeds, with a margin. The command runs in a subprocess, as a
+The assertions are what held for seeds 42 and 1, with a margin (seed 2's SFT model is right on only 89.6%). The command runs in a subprocess, as a
 user runs it, so its Ray cluster goes with it; the cache folder is this test session's fresh one.
 """
 

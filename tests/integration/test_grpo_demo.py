@@ -3,8 +3,8 @@
 
 It starts from the SFT demo model, whose answers are right but mostly wordy ("it is 42"), and rewards only
 the bare right answer by exact match: no answer form is shown to it, it has to find the rewarded one among
-its own samples (about 3 in 10 at temperature 1). Measured seeds and times are in docs/rl.md; the
-assertions are what held for all of them, with a margin: greedy held-out exact match (the bare right
+its own samples (about 3 in 10 at temperature 1). Measured seeds are in docs/rl.md; the
+assertions are what held for seeds 42 and 1, with a margin (seed 2 starts from a weaker SFT model): greedy held-out exact match (the bare right
 answer) at most 5% before and at least 90% after, and at least 10 points higher in any case (issue 14).
 """
 
