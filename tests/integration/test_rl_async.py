@@ -23,12 +23,12 @@ from openpack.distributed.process import DistInfo
 from openpack.rollout.types import Completion, SamplingConfig
 from openpack.trainers.generation import Generator, RolloutPipeline, drop_stale
 from openpack.trainers.ppo import Rollouts
+from hang_guard import HANG_S
 from saved_runs import assert_same_run, read_metrics
 from test_rl_resume_faults import LOOPBACK_RAY, RL, rewound, rl_task  # noqa: F401 (rl_task: a fixture)
 
 LOGGED_REWARD = """
 import json, os
-from hang_guard import HANG_S
 
 
 def logged(prompts, completions, rows):

@@ -26,6 +26,7 @@ import sys
 
 import pytest
 
+from hang_guard import HANG_S
 from saved_runs import assert_same_critic, assert_same_run, read_metrics
 
 PPO = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--rollout_backend", "vllm", "--zero_stage", "3",
@@ -37,13 +38,12 @@ PPO = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--rollout_back
 TWO_NODES = """
 import signal, subprocess, sys
 from ray.cluster_utils import Cluster
-from hang_guard import HANG_S
 
 def too_long(*_):
-    raise TimeoutError("the run took more than 280 s")
+    raise TimeoutError("the run hit its hang guard (SIGALRM)")
 
 signal.signal(signal.SIGALRM, too_long)
-signal.alarm(280)  # before the test's own timeout (300 s), so the cluster is always shut down here
+signal.alarm(HANG_S - 60)  # before the test's own timeout (HANG_S), so the cluster is always shut down here
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "node_ip_address": "127.0.0.1"})
 driver = subprocess.Popen([sys.executable, "-m", "openpack.cli.main", "train_ppo", *sys.argv[1:], "--ray_address",
                            cluster.address, "--num_nodes", "2", "--num_gpus_per_node", "1", "--num_cpus_per_worker",
@@ -60,6 +60,7 @@ finally:
 sys.exit(code)
 """
 
+TWO_NODES = TWO_NODES.replace("HANG_S", str(HANG_S))
 ENV = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
