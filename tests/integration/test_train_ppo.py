@@ -131,7 +131,9 @@ def test_a_vllm_run_prints_only_what_a_user_acts_on(vllm_run):
     steps = [line for line in console.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and all("  vllm_logp_diff " in line for line in steps), steps
     [log] = (vllm_run / "logs").glob("vllm_engine-*.log")
-    assert "Chat template warmup failed" in log.read_text()
+    # vLLM's start output is there. (Whether it holds the warm-up record varies: a fresh-clone CI run's log had the
+    # FutureWarnings and the loading bar but no warm-up record, where this machine's had it.)
+    assert "Loading safetensors checkpoint shards" in log.read_text()
 
 
 @pytest.mark.slow
