@@ -40,6 +40,9 @@ def test_the_cache_lives_under_openpack_cache(monkeypatch, tmp_path):
 
 
 def test_tests_run_on_fresh_cache_folders():
-    """tests/conftest.py points every cache at a folder made for this session, never ~/.cache."""
+    """tests/conftest.py points every cache at a folder made for this session (or at the one `.ci/run` made for
+    its run, OPENPACK_TEST_CACHES), never ~/.cache."""
+    root = os.environ.get("OPENPACK_TEST_CACHES") or "openpack-test-caches-"
     for variable in ("OPENPACK_CACHE", "HF_HOME", "TORCH_EXTENSIONS_DIR", "XDG_CACHE_HOME"):
-        assert "openpack-test-caches-" in os.environ[variable], variable
+        assert root in os.environ[variable], variable
+        assert not Path(os.environ[variable]).is_relative_to(Path.home() / ".cache"), variable
