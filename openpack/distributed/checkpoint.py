@@ -174,7 +174,9 @@ def save_hf_model(engine, tokenizer, out_dir: Path, is_main: bool, adapter_dir: 
     import deepspeed
 
     from openpack.models import lora
+    from openpack.models.loading import quiet_progress_bars
 
+    quiet_progress_bars()  # "Writing model shards" bars, for a model no --pretrain load has quietened (the demos')
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     model = engine.module.model

@@ -150,3 +150,23 @@ def test_disk_full_error_removes_staging_and_pickles(tmp_path):
     assert not staging.exists()
     assert str(err.value).startswith(f"no space left on device while writing checkpoint {tmp_path / 'global_step2'}")
     assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
+
+
+def test_saving_a_model_built_in_memory_prints_no_progress_bar(tmp_path, capfd):
+    """The SFT demo's model is built from a config, never loaded, so nothing had turned transformers' bars off
+    before its save: "Writing model shards" bars reached the console through Ray (issue 24, item 3)."""
+    from types import SimpleNamespace
+
+    from transformers.utils import logging as hf_logging
+
+    from openpack.models.tiny import tiny_causal_lm
+
+    engine = SimpleNamespace(module=SimpleNamespace(model=tiny_causal_lm("llama", seed=0)),
+                             zero_optimization_stage=lambda: 0)
+    hf_logging.enable_progress_bar()
+    try:
+        checkpoint.save_hf_model(engine, None, tmp_path / "model", is_main=True)
+    finally:
+        hf_logging.enable_progress_bar()
+    assert (tmp_path / "model" / "config.json").exists()
+    assert "Writing model shards" not in capfd.readouterr().err
