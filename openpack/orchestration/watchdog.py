@@ -29,11 +29,18 @@ import sys
 LOOK_EVERY_S = 0.5
 
 
-def start_watchdog() -> subprocess.Popen:
-    """Start watching this process; close the returned process's ``stdin`` (or exit) to have it clean up and go."""
-    return subprocess.Popen([sys.executable, "-m", "openpack.orchestration.watchdog", str(os.getpid())],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+def start_watchdog(wait_until_watching: bool = False) -> subprocess.Popen:
+    """Start watching this process; close the returned process's ``stdin`` (or exit) to have it clean up and go.
+
+    ``wait_until_watching``: return only once it has looked at the process tree (it says so on its stdout), so
+    what runs below this process now is known to it, however slowly a loaded machine starts it.
+    """
+    stdout = subprocess.PIPE if wait_until_watching else subprocess.DEVNULL
+    watchdog = subprocess.Popen([sys.executable, "-m", "openpack.orchestration.watchdog", str(os.getpid())],
+                                stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True)
+    if wait_until_watching:
+        watchdog.stdout.readline()
+    return watchdog
 
 
 def stop_watchdog(watchdog: subprocess.Popen, timeout_s: float = 5.0) -> None:
@@ -88,7 +95,8 @@ def ray_processes_below(root: int, known: dict[int, int], table: dict) -> dict[i
 
 def watch(driver: int) -> None:
     """Until the pipe on stdin closes, remember the Ray processes below ``driver``; then kill them."""
-    known: dict[int, int] = {}
+    known = ray_processes_below(driver, {}, _processes())
+    print("watching", flush=True)  # what start_watchdog(wait_until_watching=True) waits for
     while True:
         readable, _, _ = select.select([0], [], [], LOOK_EVERY_S)
         if readable and not os.read(0, 4096):

@@ -17,6 +17,7 @@ import tempfile
 import time
 
 import pytest
+from hang_guard import HANG_S
 
 FLAGS = ["--train_batch_size", "8", "--max_len", "64", "--packing_samples", "--use_dynamic_batch",
          "--max_tokens_per_gpu", "128"]
@@ -43,7 +44,7 @@ def train_sft(tmp_path, tiny_pretrain, sft_jsonl, *flags, env=ENV):
     started = time.time()
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_sft", "--pretrain", tiny_pretrain,
                              "--dataset", sft_jsonl, "--save_path", str(tmp_path / "run"), *FLAGS, *flags],
-                            capture_output=True, text=True, timeout=120, env=env)
+                            capture_output=True, text=True, timeout=HANG_S, env=env)
     return result, time.time() - started
 
 

@@ -180,7 +180,7 @@ class Driver:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def wait_for(self, pattern: str, timeout: float = 240) -> None:
+    def wait_for(self, pattern: str, timeout: float = HANG_S) -> None:
         deadline = time.time() + timeout
         while not re.search(pattern, self.output):
             assert self.proc.poll() is None and time.time() < deadline, f"no {pattern!r}:\n{self.output[-3000:]}"

@@ -69,7 +69,7 @@ def test_a_killed_reward_actor_is_named_and_the_run_ends(ppo_models, tmp_path):
     print(f"named and exited {seconds:.1f} s after the SIGKILL: {last}")
 
 
-def wait_for(found, timeout: float = 240):
+def wait_for(found, timeout: float = HANG_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = found()

@@ -147,7 +147,7 @@ class Run:
         for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
             threading.Thread(target=lambda s=stream, l=lines: l.extend(s), daemon=True).start()
 
-    def wait_for(self, found, what: str, timeout: float = 240):
+    def wait_for(self, found, what: str, timeout: float = HANG_S):
         deadline = time.time() + timeout
         while not (answer := found()):
             assert self.proc.poll() is None and time.time() < deadline, \
@@ -218,19 +218,17 @@ class SilentServer:
 
 
 def test_a_reward_server_that_hangs_is_cut_off_by_its_timeout(tmp_path, rl_task):
-    """4 tries of 1 s with pauses of 1, 2 and 4 s between them (rewards.remote_reward's default): about 11 s from
-    the first request to the exit, the same under any launcher."""
+    """4 tries of 1 s with pauses of 1, 2 and 4 s between them (rewards.remote_reward's default), then exit 1: the
+    server never answers, so the run ends only because each try timed out (no bound on how fast: a loaded
+    machine only stretches the run)."""
     server = SilentServer()
     try:
         result = openpack("train_grpo", *rl_task["args"], *RL, "--save_path", str(tmp_path), "--launcher", "local",
-                          "--rollout_backend", "hf", "--remote_rm_url", server.url, "--remote_rm_timeout", "1",
-                          timeout=120)
-        exited = time.time()
+                          "--rollout_backend", "hf", "--remote_rm_url", server.url, "--remote_rm_timeout", "1")
     finally:
         server.close()
     assert result.returncode == 1, result.stderr[-3000:]
     assert len(server.accepted) == 4
-    assert exited - server.accepted[0] < 11 + 10
     assert "Traceback" not in result.stderr + result.stdout
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"openpack train_grpo: --remote_rm_url {server.url}: no answer after 4 tries"), last

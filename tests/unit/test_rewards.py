@@ -4,7 +4,6 @@ checks that name a bad source and batch instead of a traceback. The remote serve
 
 import re
 import socket
-import time
 
 import pytest
 
@@ -57,16 +56,14 @@ def test_a_server_that_is_down_or_hangs_is_cut_off(capfd):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}/score"  # bound, not listening: refused
-    start = time.monotonic()
     with pytest.raises(RewardError, match=r"no answer after 3 tries .*check that the reward server is up"):
         remote_reward(closed, timeout_s=1, retries=2, pause_s=0.05)(PROMPTS, COMPLETIONS, ROWS)
-    assert time.monotonic() - start < 5
-    hanging = RewardServer(lambda payload: {"rewards": [0.0, 0.0]}, delay=5)
+    # The server would answer only after 10 minutes (close cuts that short): the call ends because both tries timed
+    # out, which the error says; a time bound would only fail on a loaded machine.
+    hanging = RewardServer(lambda payload: {"rewards": [0.0, 0.0]}, delay=600)
     try:
-        start = time.monotonic()
-        with pytest.raises(RewardError, match="timeout 0.5 s each"):
+        with pytest.raises(RewardError, match="no answer after 2 tries .*timeout 0.5 s each"):
             remote_reward(hanging.url, timeout_s=0.5, retries=1, pause_s=0.05)(PROMPTS, COMPLETIONS, ROWS)
-        assert time.monotonic() - start < 4  # two tries of 0.5 s, not the server's 5 s
     finally:
         hanging.close()
     assert len(hanging.handlers) == 2 and not any(thread.is_alive() for thread in hanging.handlers)
@@ -83,13 +80,12 @@ def test_an_answer_without_rewards_is_named():
 
 
 def test_a_reward_function_that_hangs_is_cut_off_by_its_timeout(tmp_path):
-    """--reward_timeout bounds one call: the function runs in a thread, and the run stops waiting for it."""
+    """--reward_timeout bounds one call: the function runs in a thread, and the run stops waiting for it (had it
+    waited, the function would have returned None after 10 s, another error)."""
     (tmp_path / "rule.py").write_text("import time\ndef slow(prompts, completions, rows):\n    time.sleep(10)\n")
-    start = time.monotonic()
     with pytest.raises(RewardError, match=r"rule.py:slow gave no answer within --reward_timeout 0.5 s on step 3 "
                                           r"\(2 completions\)"):
         checked(load_reward_fn(f"{tmp_path}/rule.py:slow"), 0.5)(PROMPTS, COMPLETIONS, ROWS, batch="step 3")
-    assert time.monotonic() - start < 3
 
 
 @pytest.mark.parametrize("reply,tries,message", [

@@ -4,7 +4,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -112,11 +111,9 @@ def test_a_second_process_fails_at_once_naming_the_holder(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        started = time.monotonic()
-        with pytest.raises(SavePathLocked) as err:
+        with pytest.raises(SavePathLocked) as err:  # at once: waiting would have ended only with the holder
             with locked(tmp_path):
                 pass
-        assert time.monotonic() - started < 5
         assert f"pid {holder.pid} on host {socket.gethostname()}" in str(err.value)
     finally:
         holder.kill()

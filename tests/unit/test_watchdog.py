@@ -20,7 +20,7 @@ raylet = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; 
                            "/fake/ray/raylet", *sleeper], stdout=subprocess.PIPE, text=True)
 worker = int(raylet.stdout.readline())
 other = subprocess.Popen(sleeper)
-dog = start_watchdog()
+dog = start_watchdog(wait_until_watching=True)  # it has seen raylet and its worker
 print(raylet.pid, worker, other.pid, dog.pid, flush=True)
 time.sleep(120)
 """
@@ -37,10 +37,9 @@ def alive(pid: int) -> bool:
 def test_a_driver_killed_with_sigkill_takes_its_ray_processes_along():
     driver = subprocess.Popen([sys.executable, "-c", FAKE_DRIVER], stdout=subprocess.PIPE, text=True)
     raylet, worker, other, dog = map(int, driver.stdout.readline().split())
-    time.sleep(1.5)  # the watchdog has looked at the tree (every 0.5 s)
     driver.kill()
     driver.wait()
-    deadline = time.time() + 5
+    deadline = time.time() + 60  # a hang guard: the loop ends as soon as they are gone
     while (alive(raylet) or alive(worker) or alive(dog)) and time.time() < deadline:
         time.sleep(0.1)
     try:
