@@ -360,6 +360,10 @@ def connect(address: str | None, cpus_needed: int, stop: StopSignals, session: _
         return
     cpus = max(cpus_needed, os.cpu_count() or 1)
     print(f"ray: starting a local cluster on 127.0.0.1 ({cpus} CPUs)", flush=True)
+    # Ray starts its workers at niceness 15 (RAY_worker_niceness): the ranks and engines, which do all the work,
+    # then got about 3% of a core beside any other busy process (a DPO demo stalled for 20 minutes in a DeepSpeed
+    # op build beside two CPU hogs). They run at the driver's priority instead, unless the user set it.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     session.watchdog = start_watchdog()
     with stop.during_ray_init():  # always a new cluster (never one left running), sized to the workers asked for
         ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,

@@ -287,6 +287,9 @@ def test_ctrl_c_stops_every_worker(tmp_path, tiny_pretrain, sft_jsonl):
     driver.wait_for(r"step 3/")
     pids = rank_pids(driver.output)
     assert sorted(pids) == [0, 1] and set(pids.values()) <= driver.tree | descendants(driver.proc.pid)
+    # at the driver's priority, not Ray's default worker niceness of 15 (starved beside any busy process)
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids.values()} == {
+        os.getpriority(os.PRIO_PROCESS, driver.proc.pid)}
     assert driver.stop(signal.SIGINT) < 30
     output = driver.output
     assert driver.proc.returncode == 130, output[-3000:]
