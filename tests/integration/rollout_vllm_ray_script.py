@@ -5,6 +5,7 @@ replaces signal handlers and vLLM spawns: both are kept out of the test runner.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -20,6 +21,7 @@ def main(model_dir: str) -> None:
     from openpack.rollout.weight_sync import InHostSync, policy_weights
 
     model = save_demo_policy(model_dir)
+    os.environ["RAY_worker_niceness"] = "0"  # as openpack's own clusters: Ray's 15 starves the workers under load
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actor_class = vllm_engine_actor_class(num_cpus=1)

@@ -233,10 +233,11 @@ def test_an_engine_actor_that_cannot_start_is_one_line_too(head16_model):
     """The same refusal from an engine that is a Ray actor: the driver raises the actor's EngineStartError line."""
     pytest.importorskip("vllm")
     pytest.importorskip("ray")
-    script = ("import ray\n"
+    script = ("import os, ray\n"
               "from openpack.orchestration.ray_launcher import EngineGroupSpec, _Session, _start_engines\n"
               "from openpack.orchestration.stopping import StopSignals\n"
               "from openpack.rollout.engines import EngineStartError\n"
+              "os.environ['RAY_worker_niceness'] = '0'\n"  # as openpack's own clusters: not starved under load
               "ray.init(num_cpus=1, include_dashboard=False, logging_level='error')\n"
               "with _Session() as session:\n"
               "    try:\n"

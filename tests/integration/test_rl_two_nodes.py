@@ -36,8 +36,10 @@ PPO = ["--advantage_estimator", "gae", "--init_kl_coef", "0.01", "--rollout_back
        "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96"]
 
 TWO_NODES = """
-import signal, subprocess, sys
+import os, signal, subprocess, sys
 from ray.cluster_utils import Cluster
+
+os.environ["RAY_worker_niceness"] = "0"  # as openpack's own clusters: Ray's 15 starves the workers on a busy machine
 
 def too_long(*_):
     raise TimeoutError("the run hit its hang guard (SIGALRM)")
