@@ -163,10 +163,11 @@ def test_saving_a_model_built_in_memory_prints_no_progress_bar(tmp_path, capfd):
 
     engine = SimpleNamespace(module=SimpleNamespace(model=tiny_causal_lm("llama", seed=0)),
                              zero_optimization_stage=lambda: 0)
+    was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.enable_progress_bar()
     try:
         checkpoint.save_hf_model(engine, None, tmp_path / "model", is_main=True)
-    finally:
-        hf_logging.enable_progress_bar()
+    finally:  # transformers' switch is process-wide: leave it as the test found it
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
     assert (tmp_path / "model" / "config.json").exists()
     assert "Writing model shards" not in capfd.readouterr().err
