@@ -133,7 +133,7 @@ def describe_micro_batch(inputs, _num_items_in_batch) -> dict:
 def exact_match_recorded(means: list):
     """openpack's built-in rule (completion stripped == the answer) as a TRL reward function; each call's
     mean reward is appended to ``means``."""
-    from openpack.trainers.rewards import exact_match_reward
+    from openpack.rl.rewards import exact_match_reward
 
     def exact_match(prompts, completions, response, **_columns) -> list[float]:
         rewards = exact_match_reward(prompts, completions, [{"response": r} for r in response])

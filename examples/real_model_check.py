@@ -179,7 +179,7 @@ def vllm_greedy_answers(model_path: pathlib.Path, questions: list[str], dtype: s
     """Greedy answers from vLLM with ``dtype`` ("auto": vLLM's default), through openpack's engine."""
     from transformers import AutoTokenizer
 
-    from openpack.rollout.types import SamplingConfig
+    from openpack.rollout.interface import SamplingConfig
     from openpack.rollout.vllm_engine import VLLMEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

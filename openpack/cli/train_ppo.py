@@ -238,14 +238,14 @@ def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) ->
         raise ConfigError("--vllm_is_correction_cap corrects vLLM's sampling mismatch; with --rollout_backend hf "
                           "the policy samples itself: drop it")
     if rollout_cfg.async_train:
-        from openpack.trainers.ppo_worker import resolved_backend
+        from openpack.rl.worker import resolved_backend
 
         if resolved_backend(rollout_cfg) == "hf":
             raise ConfigError(f"--async_train overlaps vLLM's generation with training; with --rollout_backend "
                               f"{rollout_cfg.rollout_backend} (HF) the policy generates itself and nothing overlaps: "
                               "drop --async_train, or use --rollout_backend vllm")
     if world > 1:
-        from openpack.trainers.ppo_worker import resolved_backend
+        from openpack.rl.worker import resolved_backend
 
         backend = resolved_backend(rollout_cfg)
         if backend == "hf" and model_cfg.zero_stage == 3:  # ranks generate different lengths, params partitioned
@@ -273,7 +273,7 @@ def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) ->
 def check_servable(pretrain: str, rollout_cfg) -> None:
     """vLLM rollouts of a model vLLM cannot serve here are refused before Ray or an engine starts."""
     from openpack.rollout.vllm_support import unservable_reason
-    from openpack.trainers.ppo_worker import resolved_backend
+    from openpack.rl.worker import resolved_backend
 
     if resolved_backend(rollout_cfg) != "vllm":
         return
@@ -285,7 +285,7 @@ def check_servable(pretrain: str, rollout_cfg) -> None:
 
 def check_colocation(rollout_cfg, world: int) -> None:
     """What --colocate_all_models cannot do: overlap anything, run without engines, or split an engine."""
-    from openpack.trainers.ppo_worker import resolved_backend
+    from openpack.rl.worker import resolved_backend
 
     if getattr(rollout_cfg, "async_train", False):
         raise ConfigError("--colocate_all_models with --async_train: on shared devices generation and training "
@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
         return 2
     announce(command, configs, demo_notice)
     from openpack.distributed.save_path import CheckpointError, own_save_path
-    from openpack.trainers.ppo_worker import plan_rl, run_ppo
-    from openpack.trainers.rewards import RewardError
+    from openpack.rl.worker import plan_rl, run_ppo
+    from openpack.rl.rewards import RewardError
 
     try:
         with own_save_path(out_cfg, launched_by_environment()):
@@ -369,7 +369,7 @@ def _reference_spec(model_cfg, rollout_cfg, rl_cfg, launch_cfg, demo_model):
             launched_by_environment():
         return None
     from openpack.orchestration.ray_launcher import ReferenceGroupSpec
-    from openpack.trainers.ppo_worker import build_rl_reference
+    from openpack.rl.worker import build_rl_reference
 
     return ReferenceGroupSpec(build_rl_reference, (model_cfg, rl_cfg, model_cfg.pretrain or str(demo_model)), 1, 1)
 
@@ -385,7 +385,8 @@ def build_reward_scorer(path: str, max_tokens: int, bf16: bool):
 
 def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model, save_path: str):
     """vLLM engines as Ray actors when the driver is a Ray driver; otherwise rank 0 starts them in-process."""
-    from openpack.trainers.ppo_worker import resolved_backend, vllm_options
+    from openpack.rl.worker import resolved_backend
+    from openpack.rl.generation import vllm_options
 
     if resolved_backend(rollout_cfg) != "vllm" or launch_cfg.launcher != "ray" or launched_by_environment():
         return None

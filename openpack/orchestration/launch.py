@@ -68,7 +68,7 @@ def launch_command(run, launcher: str) -> tuple[int, object]:
     143 for SIGTERM. Shared by every command that runs work locally or on Ray (training, ``openpack score``).
     """
     from openpack.orchestration.ray_launcher import ClusterUnreachable, RankDiedError
-    from openpack.rollout.engines import EngineDiedError, EngineStartError
+    from openpack.rollout.interface import EngineDiedError, EngineStartError
     from openpack.rollout.weight_sync import WeightNamesError
 
     quiet_console()

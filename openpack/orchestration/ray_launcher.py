@@ -505,7 +505,8 @@ class _Session:
 def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals, ranks=None):
     """The engine actors, ready (model loaded), as the ``EngineGroup`` every rank is handed. ``ranks``: the ranks'
     placement group, for colocated engines (engine i on rank i's bundle, asleep until the first generation)."""
-    from openpack.rollout.engines import EngineGroup, EngineStartError, last_error_line
+    from openpack.rollout.engine_group import EngineGroup
+    from openpack.rollout.interface import EngineStartError, last_error_line
     from openpack.rollout.vllm_engine import VLLMEngine
 
     class _Engine(_Placed, VLLMEngine):

@@ -18,8 +18,8 @@ import hashlib
 
 import torch
 
-from openpack.rollout.engines import process_location
-from openpack.rollout.types import Completion, SamplingConfig
+from openpack.rollout.interface import process_location
+from openpack.rollout.interface import Completion, SamplingConfig
 
 
 class HFEngine:

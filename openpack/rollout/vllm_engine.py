@@ -26,8 +26,8 @@ import os
 import torch
 
 from openpack.distributed.run_log import output_to, process_log_file, route_noise
-from openpack.rollout.engines import engine_start_error, one_line, process_location
-from openpack.rollout.types import Completion, SamplingConfig
+from openpack.rollout.interface import engine_start_error, one_line, process_location
+from openpack.rollout.interface import Completion, SamplingConfig
 from openpack.rollout.vllm_support import configure_cpu_environment, import_vllm
 
 WORKER_EXTENSION = "openpack.rollout.worker_extension.WeightReloadExtension"
@@ -177,7 +177,7 @@ class VLLMEngine:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Undo ``sleep``, for ``tags`` only (vLLM's "weights", "kv_cache"; None: both). Weights, a push, then the
-        KV cache is the RLHF order vLLM documents (``trainers/colocation.py``)."""
+        KV cache is the RLHF order vLLM documents (``rl/colocation.py``)."""
         waking = set(tags or ("weights", "kv_cache")) - self._awake if self.asleep else set()
         if self.sleep_enabled and waking:
             self.llm.wake_up(sorted(waking))

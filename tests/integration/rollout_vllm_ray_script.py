@@ -16,8 +16,9 @@ def main(model_dir: str) -> None:
     import ray
 
     from openpack.models.packed import PackedCausalLM
-    from openpack.rollout.engines import EngineDiedError, EngineGroup, vllm_engine_actor_class
-    from openpack.rollout.types import SamplingConfig
+    from openpack.rollout.interface import EngineDiedError
+    from openpack.rollout.engine_group import EngineGroup, vllm_engine_actor_class
+    from openpack.rollout.interface import SamplingConfig
     from openpack.rollout.weight_sync import InHostSync, policy_weights
 
     model = save_demo_policy(model_dir)

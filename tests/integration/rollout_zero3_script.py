@@ -12,7 +12,7 @@ from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine
 from openpack.distributed.process import init_distributed
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm
-from openpack.rollout.engines import EngineGroup
+from openpack.rollout.engine_group import EngineGroup
 from openpack.rollout.weight_sync import InHostSync, policy_weights
 
 OPTIM = OptimConfig(1e-3, 0.0, (0.9, 0.95), "constant", 0, 10, 0.1, 100.0)

@@ -22,7 +22,7 @@ TURN = ["deepspeed.offload_states", "deepspeed.reload_states"]
 
 @pytest.mark.slow
 def test_a_turn_wakes_pushes_offloads_generates_sleeps_reloads_and_vllm_scores_with_fresh_weights(tmp_path):
-    """Each call in the order of trainers/colocation.py, vLLM's log-probs of fixed sequences after the turn equal
+    """Each call in the order of rl/colocation.py, vLLM's log-probs of fixed sequences after the turn equal
     the trainer's after its step to 1e-4 (the step moved them by far more), and a push into the sleeping engine
     is refused rather than lost."""
     pytest.importorskip("vllm")

@@ -20,9 +20,10 @@ import torch
 
 from openpack.cli import train_grpo
 from openpack.distributed.process import DistInfo
-from openpack.rollout.types import Completion, SamplingConfig
-from openpack.trainers.generation import Generator, RolloutPipeline, drop_stale
-from openpack.trainers.ppo import Rollouts
+from openpack.rollout.interface import Completion, SamplingConfig
+from openpack.rl.generation import Generator
+from openpack.rl.pipeline import RolloutPipeline, drop_stale
+from openpack.rl.episodes import Rollouts
 from hang_guard import HANG_S
 from saved_runs import assert_same_run, read_metrics
 from test_rl_resume_faults import LOOPBACK_RAY, RL, rewound, rl_task  # noqa: F401 (rl_task: a fixture)
@@ -116,7 +117,7 @@ def test_max_staleness_without_async_train_is_refused_and_defaults_to_1_with_it(
     unset, it is 1 under --async_train and 0 (synchronous) without."""
     from openpack.cli.config import ConfigError, parse_config
     from openpack.cli.train_ppo import CONFIGS
-    from openpack.trainers.ppo_worker import async_staleness
+    from openpack.rl.settings import async_staleness
 
     def rollout_cfg(*argv):
         return parse_config(list(argv), "openpack train_ppo", "", *CONFIGS)[4]

@@ -63,10 +63,10 @@ def test_a_reward_function_that_answers_badly_stops_the_run(body, message, rl_mo
     ("hang", "gave no answer within --reward_timeout 1 s on rollout batch 1 (4 completions)"),
 ])
 def test_a_reward_server_that_answers_badly_stops_the_run(reply, message, rl_model, tmp_path, capsys, monkeypatch):
-    from openpack.trainers import rewards
+    from openpack.rl import rewards
 
     remote = rewards.remote_reward  # no retries: what the last try got is what the message shows
-    monkeypatch.setattr("openpack.trainers.ppo_worker.remote_reward", lambda *a, **k: remote(*a, retries=0, **k))
+    monkeypatch.setattr("openpack.rl.rewards.remote_reward", lambda *a, **k: remote(*a, retries=0, **k))
     with RewardServer(lambda payload: reply, delay=20 if reply == "hang" else 0) as server:
         code = grpo(rl_model, tmp_path, "--remote_rm_url", server.url, "--reward_timeout", "1")
     assert code == 1
@@ -217,7 +217,7 @@ def test_an_engine_that_cannot_start_says_why_in_one_line(head16_model):
     """vLLM's own refusal at start-up (here: a context longer than the model's 4096 positions) comes back as one line
     naming the model, vLLM's reason and the fix. In a subprocess: a failed start leaves vLLM's state behind."""
     pytest.importorskip("vllm")
-    script = ("from openpack.rollout.engines import EngineStartError\n"
+    script = ("from openpack.rollout.interface import EngineStartError\n"
               "from openpack.rollout.vllm_engine import VLLMEngine\n"
               "try:\n"
               f"    VLLMEngine({str(head16_model)!r}, max_model_len=100_000)\n"
@@ -236,7 +236,7 @@ def test_an_engine_actor_that_cannot_start_is_one_line_too(head16_model):
     script = ("import os, ray\n"
               "from openpack.orchestration.ray_launcher import EngineGroupSpec, _Session, _start_engines\n"
               "from openpack.orchestration.stopping import StopSignals\n"
-              "from openpack.rollout.engines import EngineStartError\n"
+              "from openpack.rollout.interface import EngineStartError\n"
               "os.environ['RAY_worker_niceness'] = '0'\n"  # as openpack's own clusters: not starved under load
               "ray.init(num_cpus=1, include_dashboard=False, logging_level='error')\n"
               "with _Session() as session:\n"

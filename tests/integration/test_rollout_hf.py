@@ -8,7 +8,7 @@ import torch
 
 from openpack.models.tiny import tiny_causal_lm
 from openpack.rollout.hf_engine import HFEngine
-from openpack.rollout.types import SamplingConfig
+from openpack.rollout.interface import SamplingConfig
 
 PROMPTS = [[1, 5, 6, 7], [2, 9], [4, 20, 21, 22, 23, 24]]
 

@@ -15,12 +15,12 @@ from rollout_models import PROMPTS, perturb, save_demo_policy
 
 from openpack.core.batch import Segment, collate_packed
 from openpack.models.packed import PackedCausalLM
-from openpack.rollout.engines import EngineGroup
+from openpack.rollout.engine_group import EngineGroup
 from openpack.rollout.hf_engine import HFEngine
-from openpack.rollout.types import SamplingConfig
+from openpack.rollout.interface import SamplingConfig
 from openpack.rollout.vllm_engine import VLLMEngine
-from openpack.rollout.weight_sync import (InHostSync, WeightNamesError, check_weight_names, layer_buckets,
-                                          policy_weight_names, policy_weights)
+from openpack.rollout.weight_sync import (InHostSync, WeightNamesError, check_weight_names, policy_weight_names, policy_weights)
+from openpack.rollout.buckets import layer_buckets
 
 TOLERANCE = 1e-4
 SEQUENCES = [p + [(7 * i + 3 * t) % 40 + 4 for t in range(10)] for i, p in enumerate(PROMPTS)]

@@ -113,7 +113,7 @@ def test_rank_zero_prints_nothing_itself_when_forwarding(clock, capsys):
 def test_rl_steps_show_vllm_logp_diff_and_warn_once_above_its_limit(clock):
     """vllm_logp_diff was only in metrics.jsonl (issue 24): now in the progress line, and the first step above the
     limit (fp32: 1e-3) says so in one line; later steps above it stay quiet, the value still in their lines."""
-    from openpack.trainers.ppo_worker import logp_diff_limit
+    from openpack.rl.worker import logp_diff_limit
 
     console = plain_console()
     with Tracker(None, total_steps=4, console=console) as tracker:
@@ -132,7 +132,7 @@ def test_rl_steps_show_vllm_logp_diff_and_warn_once_above_its_limit(clock):
 def test_the_logp_diff_limit_is_the_documented_one(bf16, quiet, loud):
     """docs/rl.md: 1e-3 in fp32 (runs stay at 1e-7 to 1e-5, a tied head that missed the sync gave 0.013), 0.1 in
     bf16 (its rounding alone gives up to about 0.08)."""
-    from openpack.trainers.ppo_worker import logp_diff_limit
+    from openpack.rl.worker import logp_diff_limit
 
     limit = logp_diff_limit(bf16)
     assert limit.check(1, {"vllm_logp_diff": quiet}) is None

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from openpack.trainers.rewards import RewardError, checked, exact_match_reward, load_reward_fn, remote_reward
+from openpack.rl.rewards import RewardError, checked, exact_match_reward, load_reward_fn, remote_reward
 from reward_server import RewardServer
 
 PROMPTS, COMPLETIONS = ["1+2=", "07+35="], ["3", "it is 42"]

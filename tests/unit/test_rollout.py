@@ -9,17 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from openpack.rollout import vllm_support
-from openpack.rollout.engines import EngineGroup, shard_sizes, split_contiguous
-from openpack.rollout.types import Completion, SamplingConfig
-from openpack.rollout.weight_sync import (
-    bucket_metadata,
-    hf_name,
-    layer_buckets,
-    layer_key,
-    make_weight_sync,
-    nccl_rank_offsets,
-    policy_weights,
-)
+from openpack.rollout.engine_group import EngineGroup, shard_sizes, split_contiguous
+from openpack.rollout.interface import Completion, SamplingConfig
+from openpack.rollout.weight_sync import bucket_metadata, hf_name, make_weight_sync, nccl_rank_offsets, policy_weights
+from openpack.rollout.buckets import layer_buckets, layer_key
 
 
 def test_hf_name_strips_exactly_the_wrapper_prefix():
@@ -156,7 +149,7 @@ def test_standalone_copies_views_out_of_their_storage():
     before it is put into Ray's object store (issue 23: a 147 KB slice pickled to ~100 MB)."""
     import pickle
 
-    from openpack.rollout.engines import standalone
+    from openpack.rollout.buckets import standalone
 
     flat = torch.zeros(100_000)
     view = flat[1000:1100].view(10, 10)
@@ -173,7 +166,7 @@ def test_engines_run_in_the_training_dtype():
     greedy answers then differ from transformers' on 1 of 5 prompts): the engines get the training dtype."""
     from types import SimpleNamespace
 
-    from openpack.trainers.generation import vllm_options
+    from openpack.rl.generation import vllm_options
 
     rollout = SimpleNamespace(vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.9, colocate_all_models=False)
     assert vllm_options(rollout, bf16=False)["dtype"] == "float32"

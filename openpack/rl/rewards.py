@@ -1,4 +1,6 @@
-"""Rewards for online RL: a rule function, a remote reward model over HTTP, or the built-in task's exact match.
+"""Where an RL step's rewards come from: a rule function, a remote reward model over HTTP, reward models, or the
+built-in task's exact match; asked once per rollout batch on rank 0 and shared (``shared_rewards``), then
+shaped (``shaped_rewards``: DAPO's overlong penalty, clipping).
 
 Every source is one callable, ``reward(prompts, completions, rows) -> one float per completion``, called on
 a whole rollout batch (``rows`` are the prompts' dataset rows, for labels and other columns). ``checked``
@@ -31,6 +33,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import torch
+
+from openpack.core.advantages import clip_rewards, overlong_penalty
+from openpack.data.loading import DataError
+from openpack.distributed.process import DistInfo, broadcast_object
+from openpack.rl.settings import RLSettings
 
 RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[dict]], Sequence[float]]
 
@@ -226,3 +235,53 @@ def within(timeout_s: float | None, call: Callable, message: str):
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
+    """--reward_pretrain (``scorers``: one per model; with --reward_fn combining them), --reward_fn,
+    --remote_rm_url, exact match on --label_key, or (demo) the task's exact match; checked."""
+    if rl_cfg.reward_pretrain:
+        combine = load_reward_fn(rl_cfg.reward_fn) if rl_cfg.reward_fn else None
+        return checked(reward_models(scorers, rl_cfg.reward_pretrain, rl_cfg.reward_weights, combine))
+    timeout = rl_cfg.reward_timeout or None  # reward models are not cut off: their speed is the trainer's
+    if rl_cfg.reward_fn:
+        return checked(load_reward_fn(rl_cfg.reward_fn), timeout)
+    if rl_cfg.remote_rm_url:
+        return checked(remote_reward(rl_cfg.remote_rm_url, rl_cfg.remote_rm_timeout, label_key=data_cfg.label_key
+                                     or "label"), timeout)
+    if data_cfg.label_key:
+        return checked(exact_match(data_cfg.label_key))
+    if is_demo:
+        return checked(exact_match_reward)
+    raise DataError("no reward: give --reward_fn path.py:function, --remote_rm_url URL, or --label_key COLUMN "
+                    "(exact match of the completion to that column)")
+
+
+def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist: DistInfo, where: str,
+                   sequences: list[list[int]] | None = None) -> list[float]:
+    """Rank 0 asks the reward source (once per batch); every rank gets the answer, or raises rank 0's error, so no
+    rank is left waiting in a collective when a reward fails."""
+    answer = None
+    if dist.is_main:
+        try:
+            answer = (reward(*texts, batch=where, sequences=sequences), None)
+        except RewardError as err:
+            answer = (None, str(err))
+    values, error = broadcast_object(answer)
+    if error is not None:
+        raise RewardError(error)
+    return values
+
+
+def shaped_rewards(raw: list[float], response_lengths: list[int], settings: RLSettings) -> tuple[list[float], dict]:
+    """The source's rewards plus DAPO's overlong penalty, then clipped to --reward_clip_range; with metrics."""
+    rewards, metrics = torch.tensor(raw, dtype=torch.float32), {}
+    if settings.overlong_buffer_len:
+        penalty = overlong_penalty(torch.tensor(response_lengths), settings.generate_max_len,
+                                   settings.overlong_buffer_len, settings.overlong_penalty_factor)
+        rewards = rewards + penalty
+        metrics["reward/overlong_penalty"] = penalty.mean().item()
+    if settings.reward_clip_range is not None:
+        metrics["reward/source"] = sum(raw) / len(raw)
+        rewards = clip_rewards(rewards, settings.reward_clip_range)
+    return rewards.tolist(), metrics

@@ -12,55 +12,12 @@ very mixed prompt lengths; vLLM's continuous batching already evens out most of 
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable, Iterable
 
 import torch
 
-from openpack.rollout.types import Completion, SamplingConfig
-
-DEFAULT_BUCKET_BYTES = 256 * 1024**2
-
-
-class EngineDiedError(RuntimeError):
-    """A rollout engine's actor died (crash, OOM kill, node loss)."""
-
-
-class EngineStartError(RuntimeError):
-    """A rollout engine could not start (vLLM refused the model or the options): one line with vLLM's reason."""
-
-
-def engine_start_error(model_path: str, reason: str, log_file=None) -> EngineStartError:
-    """The line a user reads when vLLM cannot start ``model_path``; ``reason`` is vLLM's own, one line;
-    ``log_file`` holds what vLLM printed while it tried."""
-    log = f" (vLLM's output: {log_file})" if log_file else ""
-    return EngineStartError(f"vLLM could not start an engine for {model_path}: {reason}{log}. Generate with "
-                            "--rollout_backend hf (the policy itself), or use a model vLLM can serve")
-
-
-def one_line(error: BaseException, limit: int = 400) -> str:
-    """'TypeName: message' on one line (a multi-line message, e.g. pydantic's, joined by '; '), at most ``limit``."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("For further information")]  # pydantic's link line
-    text = f"{type(error).__name__}: {'; '.join(lines)}"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def last_error_line(text: str) -> str:
-    """The last 'SomeError: message' line of a traceback's text (Ray puts a creation task's traceback in its
-    error), else the last non-empty line."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    for line in reversed(lines):
-        name = line.split(":", 1)[0]
-        if name.endswith(("Error", "Exception")) and " " not in name:
-            return line
-    return lines[-1] if lines else "no reason given"
-
-
-def process_location() -> str:
-    """'<host> pid <pid>' of the calling process; engines report it so a dead one can be named."""
-    return f"{socket.gethostname()} pid {os.getpid()}"
+from openpack.rollout.buckets import layer_buckets, standalone
+from openpack.rollout.interface import DEFAULT_BUCKET_BYTES, Completion, EngineDiedError, SamplingConfig
 
 
 def vllm_engine_actor_class(**actor_options):
@@ -75,19 +32,6 @@ def vllm_engine_actor_class(**actor_options):
     from openpack.rollout.vllm_engine import VLLMEngine
 
     return ray.remote(**actor_options)(VLLMEngine) if actor_options else ray.remote(VLLMEngine)
-
-
-def standalone(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on the CPU, owning exactly its own elements: a copy where it is a view into a larger storage.
-
-    Pickling (Ray's object store) writes a tensor's whole storage: measured, a 147 KB ZeRO-2 parameter carried
-    its ~540 MB flat buffer, and a whole push of SmolLM2-135M needed ~20 GiB (issue 23).
-    """
-    tensor = tensor.detach().cpu()
-    if tensor.is_contiguous() and tensor.storage_offset() == 0 and \
-            tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def shard_sizes(total: int, parts: int) -> list[int]:
@@ -145,8 +89,6 @@ class EngineGroup:
         To remote engines each tensor goes as a copy of its own elements (``standalone``): pickling a view writes
         its whole storage, and under ZeRO-2 every parameter is a view into one flat buffer.
         """
-        from openpack.rollout.weight_sync import layer_buckets
-
         count = 0
         for bucket in layer_buckets(weights, bucket_bytes):
             if self.remote:
@@ -163,7 +105,7 @@ class EngineGroup:
         self.broadcast_call("sleep")
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """``tags``: vLLM's "weights" or "kv_cache" (None: both); see ``trainers/colocation.py`` for the order."""
+        """``tags``: vLLM's "weights" or "kv_cache" (None: both); see ``rl/colocation.py`` for the order."""
         self.broadcast_call("wake_up", tags)
 
     def broadcast_call(self, method: str, *args) -> list:

@@ -18,36 +18,31 @@ uninterrupted one did.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
-import random
-import time
-from dataclasses import dataclass, replace
-
-import torch
 
 from openpack.core.advantages import kl_controller
-from openpack.core.rl_losses import PolicyLossParams
 from openpack.core.packing import shuffled_epoch
 from openpack.core.schedule import RankPlan, RankStep
 from openpack.data.loading import DataError, load_rows
 from openpack.data.prompts import Prompt, tokenize_prompts
+from openpack.distributed.checkpoint import save_hf_model
 from openpack.models.loading import load_causal_lm, load_tokenizer
 from openpack.models.lora import apply_lora, is_lora
+from openpack.rl.colocation import Colocation
+from openpack.rl.generation import Generator, make_generator
+from openpack.rl.pipeline import RolloutPipeline
+from openpack.rl.rewards import reward_source
+from openpack.rl.settings import rl_settings
+from openpack.rl.step import EmptySteps, RLLoop, push_weights, rl_step
 from openpack.trainers import demo, reference
-from openpack.trainers.generation import Generator, RolloutPipeline, make_generator, vllm_options  # noqa: F401
-from openpack.trainers.ppo import RLSettings, Rollouts, rollout_metrics, shaped_rewards, shared_rewards, train_on
-from openpack.trainers.rewards import (RewardError, checked, exact_match, exact_match_reward, load_reward_fn,
-                                       remote_reward, reward_models)
-from openpack.distributed.checkpoint import save_hf_model
-from openpack.trainers.colocation import Colocation
 from openpack.trainers.run import TrainingRun, start_worker
 from openpack.trainers.tracking import MetricLimit
 
 logger = logging.getLogger("openpack")
-FILTER_ROUNDS = 4  # --dynamic_filtering: rounds of replacement groups per rollout batch at most
+
+
 LOGP_DIFF_LIMIT = {"fp32": 1e-3, "bf16": 0.1}  # vllm_logp_diff above this warns once (logp_diff_limit)
 
 
@@ -65,12 +60,6 @@ def rollout_schedule(num_prompts: int, rollout_batch_size: int, num_episodes: in
     return batches[:max_steps] if max_steps else batches
 
 
-def updates_per_rollout(rollout_cfg, train_cfg) -> int:
-    """Optimizer steps per rollout batch: its completions in steps of --train_batch_size, --max_epochs times."""
-    return rollout_cfg.rollout_batch_size * rollout_cfg.n_samples_per_prompt // train_cfg.train_batch_size \
-        * train_cfg.max_epochs
-
-
 def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str]) -> list[Prompt]:
     """The prompts of --prompt_data (mixed by --prompt_data_probs, cut to --max_samples), tokenized."""
     rows = load_rows(datasets, data_cfg.prompt_data_probs, seed, data_cfg.skip_bad_samples, flag="--prompt_data")
@@ -86,47 +75,6 @@ def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str]) -> list[Pr
     else:
         logger.info("prompts: %d", len(prompts))
     return prompts
-
-
-def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
-    """--reward_pretrain (``scorers``: one per model; with --reward_fn combining them), --reward_fn,
-    --remote_rm_url, exact match on --label_key, or (demo) the task's exact match; checked."""
-    if rl_cfg.reward_pretrain:
-        combine = load_reward_fn(rl_cfg.reward_fn) if rl_cfg.reward_fn else None
-        return checked(reward_models(scorers, rl_cfg.reward_pretrain, rl_cfg.reward_weights, combine))
-    timeout = rl_cfg.reward_timeout or None  # reward models are not cut off: their speed is the trainer's
-    if rl_cfg.reward_fn:
-        return checked(load_reward_fn(rl_cfg.reward_fn), timeout)
-    if rl_cfg.remote_rm_url:
-        return checked(remote_reward(rl_cfg.remote_rm_url, rl_cfg.remote_rm_timeout, label_key=data_cfg.label_key
-                                     or "label"), timeout)
-    if data_cfg.label_key:
-        return checked(exact_match(data_cfg.label_key))
-    if is_demo:
-        return checked(exact_match_reward)
-    raise DataError("no reward: give --reward_fn path.py:function, --remote_rm_url URL, or --label_key COLUMN "
-                    "(exact match of the completion to that column)")
-
-
-def rl_settings(rollout_cfg, rl_cfg, train_cfg) -> RLSettings:
-    low, high = rl_cfg.eps_clip_low_high or [rl_cfg.eps_clip, rl_cfg.eps_clip]
-    policy = PolicyLossParams(eps_low=low, eps_high=high, kl_coef=rl_cfg.init_kl_coef if rl_cfg.use_kl_loss else 0.0,
-                              kl_estimator=rl_cfg.kl_estimator, tis_cap=rl_cfg.vllm_is_correction_cap)
-    return RLSettings(rollout_cfg.n_samples_per_prompt, rl_cfg.advantage_estimator, rl_cfg.loss_agg_mode,
-                      rollout_cfg.generate_max_len, policy, rl_cfg.init_kl_coef, rl_cfg.use_kl_loss, rl_cfg.gamma,
-                      updates_per_rollout(rollout_cfg, train_cfg), rl_cfg.lambd, rl_cfg.value_clip,
-                      rl_cfg.freezing_actor_steps, rl_cfg.overlong_buffer_len, rl_cfg.overlong_penalty_factor,
-                      tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None, rl_cfg.dynamic_filtering,
-                      tuple(rl_cfg.dynamic_filtering_reward_range) if rl_cfg.dynamic_filtering_reward_range else None,
-                      rl_cfg.dynamic_filtering_max_empty_steps or RLSettings.dynamic_filtering_max_empty_steps,
-                      async_staleness=async_staleness(rollout_cfg))
-
-
-def async_staleness(rollout_cfg) -> int:
-    """How many rollout batches generation runs ahead: --max_staleness (none: 1) under --async_train, else 0."""
-    if not rollout_cfg.async_train:
-        return 0
-    return 1 if rollout_cfg.max_staleness is None else rollout_cfg.max_staleness
 
 
 def vllm_available() -> bool:
@@ -220,12 +168,12 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     reward = reward_source(rl_cfg, data_cfg, demo_model is not None,
                            reward_scorers(rl_cfg, model_cfg, train_cfg, dist, reward_groups))
     colocation = Colocation(generator.engines, [run.engine, critic], functools.partial(
-        _push, sync, run.engine, model_cfg.zero_stage, dist), dist.is_main) if rollout_cfg.colocate_all_models else None
+        push_weights, sync, run.engine, model_cfg.zero_stage, dist), dist.is_main) if rollout_cfg.colocate_all_models else None
     if sync is not None and colocation is None and run.position.global_step:  # resumed: the engines still hold
-        _push(sync, run.engine, model_cfg.zero_stage, dist)  # the starting weights (colocated: pushed at each wake)
+        push_weights(sync, run.engine, model_cfg.zero_stage, dist)  # the starting weights (colocated: pushed at each wake)
     loop = RLLoop(run, pipeline, sync, reward, scorers, settings, prompts, schedule, model_cfg, train_cfg,
                   tokenizer, dist, critic, kl_ctl, colocation, empty)
-    step = functools.partial(_rl_step, loop)
+    step = functools.partial(rl_step, loop)
     with run.tracker:
         if demo_model is not None:
             _report_demo(run, "before")
@@ -307,168 +255,6 @@ def _weight_sync(backend: str, rollout_cfg, generator: Generator, policy, dist):
     if dist.is_main:
         check_weight_names(generator.engines, policy_weight_names(policy))
     return make_weight_sync(rollout_cfg.vllm_sync_backend, generator.engines)
-
-
-def _push(sync, engine, zero_stage: int, dist) -> float:
-    from openpack.rollout.weight_sync import policy_weights
-
-    start = time.perf_counter()
-    sync.push(policy_weights(engine.module, zero_stage), dist.is_main)
-    return time.perf_counter() - start
-
-
-@dataclass
-class RLLoop:
-    """Everything one rollout step uses, built once by ``run_ppo``."""
-
-    run: TrainingRun
-    pipeline: RolloutPipeline  # rollout batches, generated up to --max_staleness ahead with --async_train
-    sync: object  # weight sync to the engines; None with HF rollouts
-    reward: object  # the checked reward source (called on rank 0)
-    scorers: dict  # name -> engine scoring completions per token: old, ref, values
-    settings: RLSettings
-    prompts: list[Prompt]
-    schedule: list[list[int]]
-    model_cfg: object
-    train_cfg: object
-    tokenizer: object
-    dist: object
-    critic: object = None
-    kl_ctl: object = None
-    colocation: Colocation | None = None  # --colocate_all_models: engines wake, get weights, generate, sleep
-    empty_steps: EmptySteps | None = None  # --dynamic_filtering: rollout batches in a row that kept no group
-
-
-@dataclass
-class EmptySteps:
-    """How many rollout batches in a row dynamic filtering left with no group to learn from (checkpointed)."""
-
-    in_a_row: int = 0
-
-
-def _rl_step(loop: RLLoop, planned: RankStep) -> dict:
-    run, settings, dist, tokenizer = loop.run, loop.settings, loop.dist, loop.tokenizer
-    start = time.perf_counter()
-    step = planned.index
-    batch_prompts = [loop.prompts[i] for i in loop.schedule[step]]
-    run.engine.eval()
-    with _gathered(run.engine, loop.model_cfg.zero_stage, loop.pipeline.generator.backend == "hf"), \
-            loop.colocation or contextlib.nullcontext():
-        rollouts = loop.pipeline.rollouts(step, dist, version=step)  # version: weight syncs so far
-    generation_s = time.perf_counter() - start
-    reward_start = time.perf_counter()
-    reward_metrics = _reward(loop, batch_prompts, rollouts, f"rollout batch {step + 1}")
-    if settings.dynamic_filtering:
-        rollouts, filter_metrics = _dynamically_filtered(loop, step, batch_prompts, rollouts)
-        reward_metrics.update(filter_metrics)
-        if not _kept_any(loop, step, filter_metrics):  # every advantage would be 0: no update, no weight sync
-            return {**rollout_metrics(rollouts, generation_s), **reward_metrics, "optimizer_steps": 0,
-                    "time/reward": time.perf_counter() - reward_start, "lr": run.engine.get_lr()[0],
-                    "step_time_s": time.perf_counter() - start}
-    reward_s = time.perf_counter() - reward_start
-    step_settings = replace(settings, kl_coef=loop.kl_ctl.value) if settings.reward_kl else settings
-    metrics, timings = train_on(rollouts, run.engine, loop.scorers, step_settings, loop.train_cfg, dist,
-                                tokenizer.pad_token_id or 0, loop.train_cfg.seed + step, loop.critic,
-                                train_actor=step >= settings.freezing_actor_steps)
-    if settings.reward_kl:
-        metrics["kl_coef"] = step_settings.kl_coef
-        loop.kl_ctl.update(metrics["kl"], len(rollouts.rewards))
-    sync_s = loop.colocation.push_s if loop.colocation else \
-        _push(loop.sync, run.engine, loop.model_cfg.zero_stage, dist) if loop.sync is not None else 0.0
-    return {**rollout_metrics(rollouts, generation_s), **loop.pipeline.metrics, **reward_metrics, **metrics,
-            **timings, **_sync_metrics(loop.sync), "time/reward": reward_s, "time/weight_sync": sync_s,
-            "lr": run.engine.get_lr()[0], "step_time_s": time.perf_counter() - start}
-
-
-def _sync_metrics(sync) -> dict:
-    """What the last push put into Ray's object store (inhost sync to engines that are Ray actors)."""
-    pushed = getattr(sync, "object_store_bytes", None)
-    return {} if pushed is None else {"weight_sync/object_store_mb": pushed / 2**20}
-
-
-def _reward(loop: RLLoop, prompts: list[Prompt], rollouts: Rollouts, where: str) -> dict:
-    """Set ``rollouts.rewards`` (``prompts``: one per group of n completions): the source's, asked on rank 0 and
-    shared, then shaped (overlong penalty, clipping); returns the reward metrics."""
-    n = loop.settings.n_samples_per_prompt
-    texts = ([p.text for p in prompts for _ in range(n)],
-             loop.tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),
-             [p.row for p in prompts for _ in range(n)])
-    sequences = [p + c for p, c in zip(rollouts.prompt_tokens, rollouts.completion_tokens)]
-    raw = shared_rewards(loop.reward, texts, loop.dist, where, sequences)
-    rollouts.rewards, metrics = shaped_rewards(raw, rollouts.response_lengths(), loop.settings)
-    return metrics
-
-
-def _dynamically_filtered(loop: RLLoop, step: int, prompts: list[Prompt], rollouts: Rollouts) -> tuple[Rollouts, dict]:
-    """DAPO's dynamic sampling: groups whose rewards are all equal (or whose mean is outside
-    --dynamic_filtering_reward_range) teach nothing and are dropped; groups of other prompts, drawn by a seed of
-    the run, the step and the round (so a resumed run draws the same), are generated and scored in their place,
-    for at most ``FILTER_ROUNDS`` rounds. A batch still short is filled with dropped groups (counted)."""
-    from openpack.core.advantages import keep_groups
-
-    n, wanted, settings = loop.settings.n_samples_per_prompt, len(prompts), loop.settings
-    kept, spare, dropped, rounds = [], [], 0, 0
-    while True:
-        keep = keep_groups(torch.tensor(rollouts.rewards), n, settings.dynamic_filtering_reward_range).tolist()
-        dropped += keep.count(False)
-        for g, good in enumerate(keep):
-            (kept if good else spare).append(rollouts.select(range(g * n, (g + 1) * n)))
-        if len(kept) >= wanted or rounds == FILTER_ROUNDS:
-            break
-        rounds += 1
-        draw = random.Random(f"{loop.train_cfg.seed}/{step}/refill{rounds}")
-        prompts = [loop.prompts[i] for i in draw.sample(range(len(loop.prompts)), min(wanted - len(kept),
-                                                                                      len(loop.prompts)))]
-        with _gathered(loop.run.engine, loop.model_cfg.zero_stage, loop.pipeline.generator.backend == "hf"), \
-                loop.colocation or contextlib.nullcontext():
-            rollouts = loop.pipeline.generator.rollouts(prompts, f"{step}.refill{rounds}", loop.dist, version=step)
-        _reward(loop, prompts, rollouts, f"rollout batch {step + 1}, refill {rounds}")
-    short = max(wanted - len(kept), 0)
-    groups = kept[:wanted] + spare[:short]
-    metrics = {"dynamic_filtering/kept_groups": float(min(len(kept), wanted)),
-               "dynamic_filtering/dropped_groups": float(dropped), "dynamic_filtering/refill_rounds": float(rounds),
-               "dynamic_filtering/short_groups": float(short)}
-    return Rollouts.concat(groups), metrics
-
-
-def _kept_any(loop: RLLoop, step: int, metrics: dict) -> bool:
-    """Say on the console what dynamic filtering kept; False when it kept no group (the step's update is skipped),
-    and a RewardError after --dynamic_filtering_max_empty_steps such rollout batches in a row."""
-    kept, wanted = int(metrics["dynamic_filtering/kept_groups"]), len(loop.schedule[step])
-    limit, empty = loop.settings.dynamic_filtering_max_empty_steps, loop.empty_steps
-    empty.in_a_row = 0 if kept else empty.in_a_row + 1
-    line = (f"rollout batch {step + 1}: dynamic filtering kept {kept} of {wanted} groups "
-            f"({int(metrics['dynamic_filtering/dropped_groups'])} dropped over "
-            f"{int(metrics['dynamic_filtering/refill_rounds'])} refill rounds)")
-    if not kept:
-        line += f"; no update: every group was dropped ({empty.in_a_row} of {limit} such batches in a row)"
-    if loop.dist.is_main:
-        loop.run.tracker.message(line)
-    if empty.in_a_row >= limit:
-        name, bounds = getattr(loop.reward, "reward_name", "the reward"), _typed_range(loop.settings)
-        outside = f" (or means outside --dynamic_filtering_reward_range {bounds})" if bounds else ""
-        raise RewardError(f"--dynamic_filtering: {limit} rollout batches in a row kept no group "
-                          f"(--dynamic_filtering_max_empty_steps {limit}): {name} gives equal rewards to every "
-                          f"completion of a prompt{outside}, so nothing can be learned; check the reward"
-                          f"{' and --dynamic_filtering_reward_range' if bounds else ''}, or drop --dynamic_filtering")
-    return kept > 0
-
-
-def _typed_range(settings: RLSettings) -> str:
-    """--dynamic_filtering_reward_range as typed, or '' when none was given."""
-    bounds = settings.dynamic_filtering_reward_range
-    return f"{bounds[0]:g} {bounds[1]:g}" if bounds else ""
-
-
-def _gathered(engine, zero_stage: int, needed: bool):
-    """HF generation under ZeRO-3 needs the whole policy on every rank while it generates."""
-    import contextlib
-
-    if not needed or zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()))
 
 
 def _report_demo(run: TrainingRun, when: str) -> None:

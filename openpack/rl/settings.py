@@ -1,0 +1,79 @@
+"""What one RL step needs of the flags, in one object: ``RLSettings``, built from the run's rl/rollout/train
+sections by ``rl_settings`` (``cli/train_ppo.py`` holds the flags with their help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openpack.core.rl_losses import PolicyLossParams
+
+
+@dataclass
+class RLSettings:
+    """What the step needs of the RL flags (``cli/train_ppo.py`` holds them with their help)."""
+
+    n_samples_per_prompt: int
+    advantage_estimator: str
+    loss_agg_mode: str
+    generate_max_len: int
+    policy: PolicyLossParams
+    kl_coef: float  # --init_kl_coef
+    use_kl_loss: bool
+    gamma: float = 1.0
+    updates_per_rollout: int = 1  # optimizer steps per rollout batch over all PPO epochs
+    lambd: float = 1.0  # GAE
+    value_clip: float | None = None
+    freezing_actor_steps: int = 0  # rollout batches that train only the critic
+    overlong_buffer_len: int | None = None  # DAPO's overlong penalty
+    overlong_penalty_factor: float = 1.0
+    reward_clip_range: tuple[float, float] | None = None
+    dynamic_filtering: bool = False  # DAPO's dynamic sampling
+    dynamic_filtering_reward_range: tuple[float, float] | None = None
+    dynamic_filtering_max_empty_steps: int = 3  # rollout batches in a row that keep no group: stop
+    async_staleness: int = 0  # --max_staleness under --async_train: rollouts may be this many versions old
+
+    @property
+    def critic(self) -> bool:
+        """PPO with a learned value function (GAE) rather than a critic-free estimator."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def reward_kl(self) -> bool:
+        """A KL penalty in the reward (OpenRLHF's default), rather than a loss term."""
+        return self.kl_coef > 0 and not self.use_kl_loss
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    @property
+    def needs_old_pass(self) -> bool:
+        # a rollout sampled by an older policy needs the current one's log-probs as the ratio's denominator
+        return self.updates_per_rollout > 1 or self.reward_kl or self.async_staleness > 0
+
+
+def rl_settings(rollout_cfg, rl_cfg, train_cfg) -> RLSettings:
+    low, high = rl_cfg.eps_clip_low_high or [rl_cfg.eps_clip, rl_cfg.eps_clip]
+    policy = PolicyLossParams(eps_low=low, eps_high=high, kl_coef=rl_cfg.init_kl_coef if rl_cfg.use_kl_loss else 0.0,
+                              kl_estimator=rl_cfg.kl_estimator, tis_cap=rl_cfg.vllm_is_correction_cap)
+    return RLSettings(rollout_cfg.n_samples_per_prompt, rl_cfg.advantage_estimator, rl_cfg.loss_agg_mode,
+                      rollout_cfg.generate_max_len, policy, rl_cfg.init_kl_coef, rl_cfg.use_kl_loss, rl_cfg.gamma,
+                      updates_per_rollout(rollout_cfg, train_cfg), rl_cfg.lambd, rl_cfg.value_clip,
+                      rl_cfg.freezing_actor_steps, rl_cfg.overlong_buffer_len, rl_cfg.overlong_penalty_factor,
+                      tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None, rl_cfg.dynamic_filtering,
+                      tuple(rl_cfg.dynamic_filtering_reward_range) if rl_cfg.dynamic_filtering_reward_range else None,
+                      rl_cfg.dynamic_filtering_max_empty_steps or RLSettings.dynamic_filtering_max_empty_steps,
+                      async_staleness=async_staleness(rollout_cfg))
+
+
+def updates_per_rollout(rollout_cfg, train_cfg) -> int:
+    """Optimizer steps per rollout batch: its completions in steps of --train_batch_size, --max_epochs times."""
+    return rollout_cfg.rollout_batch_size * rollout_cfg.n_samples_per_prompt // train_cfg.train_batch_size \
+        * train_cfg.max_epochs
+
+
+def async_staleness(rollout_cfg) -> int:
+    """How many rollout batches generation runs ahead: --max_staleness (none: 1) under --async_train, else 0."""
+    if not rollout_cfg.async_train:
+        return 0
+    return 1 if rollout_cfg.max_staleness is None else rollout_cfg.max_staleness
