@@ -330,3 +330,30 @@ def save_config(path: str | os.PathLike, *instances: Any) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+class RunConfig:
+    """A command's whole configuration as one object: a dataclass whose fields are its sections, in flag-group order.
+
+    Each command declares one, e.g. ``SFTRunConfig(model, data, train, output, launch)``, typed by the section
+    classes; from those types come the flags (``build_parser``), and the sections flatten back into the same flat
+    ``config.yaml`` as before the sections existed (``save``): field names stay unique across one command's
+    sections. Workers take the run config; the functions under them take the section they need.
+    """
+
+    @classmethod
+    def section_classes(cls) -> tuple[type, ...]:
+        hints = get_type_hints(cls)
+        return tuple(hints[f.name] for f in dataclasses.fields(cls))
+
+    @classmethod
+    def parse(cls, argv: list[str] | None, prog: str, description: str, **kwargs) -> "RunConfig":
+        """``parse_config`` over the sections' classes, the result as one instance of ``cls``."""
+        return cls(*parse_config(argv, prog, description, *cls.section_classes(), **kwargs))
+
+    def sections(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """``config.yaml``: every section's fields, flat, in section order (``save_config``)."""
+        save_config(path, *self.sections())

@@ -13,11 +13,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, arg, parse_config
+from openpack.cli.config import ConfigError, RunConfig, arg
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
 from openpack.cli.train_sft import (FUSED_LOSS_HELP, DatasetConfig, LaunchConfig, ModelConfig, OutputConfig,
                                     TrainConfig, announce, check_consistency, check_inputs, check_template_flags,
-                                    demo_sft_model, save_all, with_demo_defaults)
+                                    demo_sft_model, with_demo_defaults)
 from openpack.core.losses import LOSS_SUMMARIES, PAIR_LOSSES, needs_reference
 from openpack.orchestration.launch import launch, launched_by_environment
 
@@ -93,7 +93,19 @@ LOSS_HELP = "loss types (--loss_type; details and formulas in docs/dpo.md):\n" +
     f"  {name:<13} {LOSS_SUMMARIES[name]}" for name in sorted(PAIR_LOSSES))
 
 
-CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, DPOConfig, LaunchConfig)
+@dataclass
+class DPORunConfig(RunConfig):
+    """Everything one ``openpack train_dpo`` run is told, by section; what ``run_dpo`` receives."""
+
+    model: ModelConfig
+    data: PreferenceDataConfig
+    train: TrainConfig
+    output: OutputConfig
+    dpo: DPOConfig
+    launch: LaunchConfig
+
+
+CONFIGS = DPORunConfig.section_classes()  # the flag groups, in the order config.yaml lists them
 ALIASES = {"--ipo": ("loss_type", ["ipo"])}
 
 
@@ -118,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv, demo_notice = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_dpo", DEMO_CONFIG)
     try:
-        configs = parse_config(argv, "openpack train_dpo", __doc__.split("\n\n")[0], *CONFIGS, aliases=ALIASES,
-                               epilog=LOSS_HELP)
-        model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, launch_cfg = configs
+        cfg = DPORunConfig.parse(argv, "openpack train_dpo", __doc__.split("\n\n")[0], aliases=ALIASES,
+                                 epilog=LOSS_HELP)
+        model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, launch_cfg = cfg.sections()
         check_consistency(model_cfg, SFTDataConfig(dataset=data_cfg.dataset, max_len=1), train_cfg, launch_cfg)
         if train_cfg.use_dynamic_batch and 2 * data_cfg.max_len > train_cfg.max_tokens_per_gpu:
             raise ConfigError(
@@ -135,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ModelLoadError) as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2
-    announce("train_dpo", configs, demo_notice)
+    announce("train_dpo", cfg, demo_notice)
     from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.trainers.dpo_worker import build_reference, plan_dpo, run_dpo
 
@@ -146,12 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             if dpo_cfg.ref_num_nodes:
                 from openpack.orchestration.ray_launcher import ReferenceGroupSpec
 
-                group = ReferenceGroupSpec(build_reference, (model_cfg, dpo_cfg, train_cfg, demo_model),
+                group = ReferenceGroupSpec(build_reference, (cfg, demo_model),
                                            dpo_cfg.ref_num_nodes, dpo_cfg.ref_num_gpus_per_node)
-            planner = functools.partial(plan_dpo, *configs[:5], demo_model=demo_model)
-            return launch(run_dpo, configs[:-1], {"demo_model": demo_model,
-                                                      "save_config": functools.partial(save_all, configs)},
-                          configs, planner, reference=group)
+            planner = functools.partial(plan_dpo, cfg, demo_model=demo_model)
+            return launch(run_dpo, cfg, {"demo_model": demo_model, "save_config": cfg.save}, planner, reference=group)
     except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2

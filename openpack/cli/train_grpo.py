@@ -9,4 +9,4 @@ from openpack.cli import train_ppo
 
 
 def main(argv: list[str] | None = None) -> int:
-    return train_ppo.main(sys.argv[1:] if argv is None else argv, "train_grpo", train_ppo.GRPO_CONFIGS)
+    return train_ppo.main(sys.argv[1:] if argv is None else argv, "train_grpo", train_ppo.GRPORunConfig)

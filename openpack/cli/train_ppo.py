@@ -17,10 +17,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, arg, parse_config
+from openpack.cli.config import ConfigError, RunConfig, arg
 from openpack.cli.train_sft import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce, check_inputs,
-                                    check_template_flags, demo_sft_model, planned_world_size, save_all,
-                                    with_demo_defaults)
+                                    check_template_flags, demo_sft_model, planned_world_size, with_demo_defaults)
 from openpack.core.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from openpack.core.rl_losses import LOSS_AGG_MODES
 from openpack.orchestration.launch import launch, launched_by_environment
@@ -204,13 +203,35 @@ class GRPOConfig(RLConfig):
                                    choices=[*ADVANTAGE_ESTIMATORS, "gae"])
 
 
-CONFIGS = (ModelConfig, PromptDataConfig, RLTrainConfig, OutputConfig, RolloutConfig, RLConfig, LaunchConfig)
-GRPO_CONFIGS = (ModelConfig, PromptDataConfig, RLTrainConfig, OutputConfig, GRPORolloutConfig, GRPOConfig,
-                LaunchConfig)
+@dataclass
+class PPORunConfig(RunConfig):
+    """Everything one ``openpack train_ppo`` run is told, by section; what ``run_ppo`` receives."""
+
+    model: ModelConfig
+    data: PromptDataConfig
+    train: RLTrainConfig
+    output: OutputConfig
+    rollout: RolloutConfig
+    rl: RLConfig
+    launch: LaunchConfig
 
 
-def check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg) -> None:
-    """Checks that span several config groups."""
+@dataclass
+class GRPORunConfig(PPORunConfig):
+    """``openpack train_grpo``'s: ``train_ppo``'s sections with GRPO's defaults."""
+
+    rollout: GRPORolloutConfig
+    rl: GRPOConfig
+
+
+CONFIGS = PPORunConfig.section_classes()  # the flag groups, in the order config.yaml lists them
+GRPO_CONFIGS = GRPORunConfig.section_classes()
+
+
+def check_rl(cfg: PPORunConfig) -> None:
+    """Checks that span several sections."""
+    model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg = (cfg.model, cfg.data, cfg.train, cfg.rollout,
+                                                                       cfg.rl, cfg.launch)
     n, completions = rollout_cfg.n_samples_per_prompt, rollout_cfg.rollout_batch_size * rollout_cfg.n_samples_per_prompt
     if rl_cfg.advantage_estimator in GROUP_ESTIMATORS and n < 2:
         raise ConfigError(f"--advantage_estimator {rl_cfg.advantage_estimator} compares each completion with the "
@@ -302,7 +323,7 @@ def check_colocation(rollout_cfg, world: int) -> None:
                           "--vllm_tensor_parallel_size 1 (tensor-parallel colocated engines are not built)")
 
 
-def main(argv: list[str] | None = None, command: str = "train_ppo", config_classes: tuple = CONFIGS) -> int:
+def main(argv: list[str] | None = None, command: str = "train_ppo", run_config: type = PPORunConfig) -> int:
     from openpack.data.loading import DataError
     from openpack.models.loading import ModelLoadError
 
@@ -310,9 +331,9 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
     demo_config = PPO_DEMO_CONFIG if command == "train_ppo" else DEMO_CONFIG
     argv, demo_notice = with_demo_defaults(argv, command, demo_config, data_flag="--prompt_data")
     try:
-        configs = parse_config(argv, f"openpack {command}", __doc__.split("\n\n")[0], *config_classes)
-        model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = configs
-        check_rl(model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg)
+        cfg = run_config.parse(argv, f"openpack {command}", __doc__.split("\n\n")[0])
+        model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = cfg.sections()
+        check_rl(cfg)
         check_inputs(data_cfg.prompt_data, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": rl_cfg.ref_pretrain},
                      "--prompt_data")
         from openpack.models.reward import check_reward_model
@@ -322,7 +343,7 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
     except (ConfigError, DataError, ModelLoadError) as err:
         print(f"openpack {command}: {err}", file=sys.stderr)
         return 2
-    announce(command, configs, demo_notice)
+    announce(command, cfg, demo_notice)
     from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.rl.worker import plan_rl, run_ppo
     from openpack.rl.rewards import RewardError
@@ -335,12 +356,10 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
                 from openpack.cli.train_rm import demo_rm_model
 
                 rl_cfg.reward_pretrain = [str(demo_rm_model(launch_cfg, train_cfg.seed))]
-            engines = _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model, out_cfg.save_path)
-            return launch(run_ppo, configs[:-1], {"demo_model": demo_model,
-                                                      "save_config": functools.partial(save_all, configs)},
-                          configs, functools.partial(plan_rl, *configs[:6], demo_model=demo_model), engines=engines,
-                          rewards=_reward_specs(model_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg),
-                          reference=_reference_spec(model_cfg, rollout_cfg, rl_cfg, launch_cfg, demo_model))
+            engines = _engine_spec(cfg, demo_model)
+            return launch(run_ppo, cfg, {"demo_model": demo_model, "save_config": cfg.save},
+                          functools.partial(plan_rl, cfg, demo_model=demo_model), engines=engines,
+                          rewards=_reward_specs(cfg), reference=_reference_spec(cfg, demo_model))
     except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack {command}: {err}", file=sys.stderr)
         return 2
@@ -349,9 +368,10 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", config_class
         return 1
 
 
-def _reward_specs(model_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg):
+def _reward_specs(cfg: PPORunConfig):
     """One actor group per --reward_pretrain model when the driver is a Ray driver, unless a colocation flag keeps
     the reward models in rank 0."""
+    model_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg = cfg.model, cfg.train, cfg.rollout, cfg.rl, cfg.launch
     if not rl_cfg.reward_pretrain or launch_cfg.launcher != "ray" or launched_by_environment() or \
             rollout_cfg.colocate_critic_reward or rollout_cfg.colocate_all_models:
         return None
@@ -361,17 +381,18 @@ def _reward_specs(model_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg):
             for path in rl_cfg.reward_pretrain]
 
 
-def _reference_spec(model_cfg, rollout_cfg, rl_cfg, launch_cfg, demo_model):
+def _reference_spec(cfg: PPORunConfig, demo_model):
     """--ref_num_nodes 1: one reference actor (a process group of its own) when a KL needs the reference and the
     driver is a Ray driver. One, not a group: every policy rank asks it for its own share, and a ZeRO-3 group
     would need the same number of forwards from each of its ranks."""
+    rollout_cfg, rl_cfg, launch_cfg = cfg.rollout, cfg.rl, cfg.launch
     if not rollout_cfg.ref_num_nodes or not rl_cfg.init_kl_coef or launch_cfg.launcher != "ray" or \
             launched_by_environment():
         return None
     from openpack.orchestration.ray_launcher import ReferenceGroupSpec
     from openpack.rl.worker import build_rl_reference
 
-    return ReferenceGroupSpec(build_rl_reference, (model_cfg, rl_cfg, model_cfg.pretrain or str(demo_model)), 1, 1)
+    return ReferenceGroupSpec(build_rl_reference, (cfg, cfg.model.pretrain or str(demo_model)), 1, 1)
 
 
 def build_reward_scorer(path: str, max_tokens: int, bf16: bool):
@@ -383,8 +404,10 @@ def build_reward_scorer(path: str, max_tokens: int, bf16: bool):
     return RewardScorer(path, "cuda" if torch.cuda.is_available() else "cpu", max_tokens, bf16)
 
 
-def _engine_spec(model_cfg, rollout_cfg, train_cfg, launch_cfg, demo_model, save_path: str):
+def _engine_spec(cfg: PPORunConfig, demo_model):
     """vLLM engines as Ray actors when the driver is a Ray driver; otherwise rank 0 starts them in-process."""
+    model_cfg, rollout_cfg, train_cfg, launch_cfg, save_path = (cfg.model, cfg.rollout, cfg.train, cfg.launch,
+                                                                cfg.output.save_path)
     from openpack.rl.worker import resolved_backend
     from openpack.rl.generation import vllm_options
 

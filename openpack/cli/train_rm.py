@@ -13,10 +13,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, arg, parse_config
+from openpack.cli.config import ConfigError, RunConfig, arg
 from openpack.cli.train_dpo import PreferenceDataConfig, check_prefix_sharing
 from openpack.cli.train_sft import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce, check_consistency,
-                                    check_inputs, demo_sft_model, save_all, with_demo_defaults)
+                                    check_inputs, demo_sft_model, with_demo_defaults)
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
 from openpack.core.reward_losses import REWARD_LOSSES, TAKES_MARGIN
 from openpack.orchestration.launch import launch, launched_by_environment
@@ -52,7 +52,19 @@ class RewardConfig:
             raise ConfigError("give --eval_dataset or --eval_split_ratio, not both")
 
 
-CONFIGS = (ModelConfig, PreferenceDataConfig, TrainConfig, OutputConfig, RewardConfig, LaunchConfig)
+@dataclass
+class RMRunConfig(RunConfig):
+    """Everything one ``openpack train_rm`` run is told, by section; what ``run_rm`` receives."""
+
+    model: ModelConfig
+    data: PreferenceDataConfig
+    train: TrainConfig
+    output: OutputConfig
+    rm: RewardConfig
+    launch: LaunchConfig
+
+
+CONFIGS = RMRunConfig.section_classes()  # the flag groups, in the order config.yaml lists them
 
 
 def demo_rm_model(launch_cfg: LaunchConfig, seed: int) -> Path:
@@ -78,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv, demo_notice = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_rm", DEMO_CONFIG)
     try:
-        configs = parse_config(argv, "openpack train_rm", __doc__.split("\n\n")[0], *CONFIGS)
-        model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, launch_cfg = configs
+        cfg = RMRunConfig.parse(argv, "openpack train_rm", __doc__.split("\n\n")[0])
+        model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, launch_cfg = cfg.sections()
         check_consistency(model_cfg, SFTDataConfig(dataset=data_cfg.dataset, max_len=1), train_cfg, launch_cfg)
         if train_cfg.use_dynamic_batch and 2 * data_cfg.max_len > train_cfg.max_tokens_per_gpu:
             raise ConfigError(
@@ -91,17 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ModelLoadError) as err:
         print(f"openpack train_rm: {err}", file=sys.stderr)
         return 2
-    announce("train_rm", configs, demo_notice)
+    announce("train_rm", cfg, demo_notice)
     from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.trainers.rm_worker import plan_rm, run_rm
 
     try:
         with own_save_path(out_cfg, launched_by_environment()):  # lock; refuse a taken --save_path
             demo_model = demo_sft_model(launch_cfg, train_cfg.seed) if model_cfg.pretrain is None else None
-            planner = functools.partial(plan_rm, *configs[:5], demo_model=demo_model)
-            return launch(run_rm, configs[:-1], {"demo_model": demo_model,
-                                                     "save_config": functools.partial(save_all, configs)},
-                          configs, planner)
+            planner = functools.partial(plan_rm, cfg, demo_model=demo_model)
+            return launch(run_rm, cfg, {"demo_model": demo_model, "save_config": cfg.save}, planner)
     except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack train_rm: {err}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, arg, parse_config, save_config, special_values
+from openpack.cli.config import ConfigError, RunConfig, arg, special_values
 from openpack.models.attention import BACKENDS
 from openpack.orchestration.launch import launch, launched_by_environment
 
@@ -173,7 +173,18 @@ class LaunchConfig:
                                           special={None: "the node's CPUs / --num_gpus_per_node"})
 
 
-CONFIGS = (ModelConfig, DataConfig, SFTTrainConfig, OutputConfig, LaunchConfig)
+@dataclass
+class SFTRunConfig(RunConfig):
+    """Everything one ``openpack train_sft`` run is told, by section; what ``run_sft`` receives."""
+
+    model: ModelConfig
+    data: DataConfig
+    train: SFTTrainConfig
+    output: OutputConfig
+    launch: LaunchConfig
+
+
+CONFIGS = SFTRunConfig.section_classes()  # the flag groups, in the order config.yaml lists them
 
 
 def planned_world_size(launch_cfg: LaunchConfig) -> int:
@@ -240,11 +251,11 @@ def check_inputs(datasets: list[str] | None, models: dict[str, str | None], data
             load_model_config(name, flag)
 
 
-def announce(command: str, configs: tuple, demo_notice: str | None) -> None:
+def announce(command: str, cfg: RunConfig, demo_notice: str | None) -> None:
     """What is about to run: the demo notice, and every flag whose value has a meaning of its own."""
     if demo_notice:
         print(demo_notice)
-    special = special_values(*configs)
+    special = special_values(*cfg.sections())
     if special:
         print(f"openpack {command}: " + "; ".join(special))
 
@@ -268,31 +279,25 @@ def demo_sft_model(launch_cfg: LaunchConfig, seed: int) -> Path:
     return cache / "model"
 
 
-def save_all(configs: tuple, path: Path) -> None:
-    """Write the effective config of every group (module level, so Ray can ship it to rank 0)."""
-    save_config(path, *configs)
-
-
 def main(argv: list[str] | None = None) -> int:
     from openpack.data.loading import DataError
     from openpack.models.loading import ModelLoadError
 
     argv, demo_notice = with_demo_defaults(sys.argv[1:] if argv is None else list(argv), "train_sft", DEMO_CONFIG)
     try:
-        configs = parse_config(argv, "openpack train_sft", __doc__.split("\n\n")[0], *CONFIGS)
-        check_consistency(*configs[:3], configs[-1])
-        check_inputs(configs[1].dataset, {"--pretrain": configs[0].pretrain})
+        cfg = SFTRunConfig.parse(argv, "openpack train_sft", __doc__.split("\n\n")[0])
+        check_consistency(cfg.model, cfg.data, cfg.train, cfg.launch)
+        check_inputs(cfg.data.dataset, {"--pretrain": cfg.model.pretrain})
     except (ConfigError, DataError, ModelLoadError) as err:
         print(f"openpack train_sft: {err}", file=sys.stderr)
         return 2
-    announce("train_sft", configs, demo_notice)
+    announce("train_sft", cfg, demo_notice)
     from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.trainers.sft_worker import plan_sft, run_sft
 
     try:
-        with own_save_path(configs[3], launched_by_environment()):  # lock; refuse a taken --save_path
-            return launch(run_sft, configs[:-1], {"save_config": functools.partial(save_all, configs)}, configs,
-                          functools.partial(plan_sft, *configs[:4]))
+        with own_save_path(cfg.output, launched_by_environment()):  # lock; refuse a taken --save_path
+            return launch(run_sft, cfg, {"save_config": cfg.save}, functools.partial(plan_sft, cfg))
     except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack train_sft: {err}", file=sys.stderr)
         return 2

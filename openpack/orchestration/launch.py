@@ -27,9 +27,9 @@ def launched_by_environment() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "CROSS_RANK" in os.environ
 
 
-def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, planner, reference=None,
-           engines=None, rewards=None) -> int:
-    """Run ``worker`` on every rank with the launcher the last config (LaunchConfig) names.
+def launch(worker, cfg, worker_kwargs: dict, planner, reference=None, engines=None, rewards=None) -> int:
+    """Run ``worker(cfg, **worker_kwargs)`` on every rank with the launcher ``cfg.launch`` names (``cfg``: the
+    command's run config, ``cli/config.py``'s ``RunConfig``).
 
     Under Ray this process is the driver: ``planner(world_size)`` tokenizes the data once and returns
     each rank's plan, handed to rank r as ``plan=``. With ``--launcher local``, torchrun or the deepspeed
@@ -38,24 +38,24 @@ def launch(worker, worker_args: tuple, worker_kwargs: dict, configs: tuple, plan
     (online RL with vLLM) the rollout engine actors, ``rewards`` (online RL with reward models) one actor group
     per model (Ray only).
     """
-    launch_cfg = configs[-1]
+    launch_cfg = cfg.launch
     if launched_by_environment():
-        return worker(*worker_args, **worker_kwargs)
+        return worker(cfg, **worker_kwargs)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     def run():
         if launch_cfg.launcher != "ray":  # the worker plans for itself and keeps what it tokenized
-            return worker(*worker_args, **worker_kwargs)
+            return worker(cfg, **worker_kwargs)
         from openpack.orchestration.ray_launcher import cluster_address
         from openpack.orchestration.ray_launcher import launch as ray_launch
 
         address = cluster_address(launch_cfg.ray_address)  # before planning, which can take minutes
         plans = planner(launch_cfg.num_nodes * launch_cfg.num_gpus_per_node)
-        return ray_launch(worker, worker_args, worker_kwargs, [{"plan": plan} for plan in plans],
+        return ray_launch(worker, (cfg,), worker_kwargs, [{"plan": plan} for plan in plans],
                           num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
                           num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=address,
                           reference=reference, engines=engines, rewards=rewards,
-                          memory_advice=memory_advice(configs))
+                          memory_advice=memory_advice(cfg.sections()))
 
     code, result = launch_command(run, launch_cfg.launcher)
     return code or result
@@ -106,13 +106,13 @@ def quiet_console() -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
-def memory_advice(configs: tuple) -> str | None:
+def memory_advice(sections: tuple) -> str | None:
     """What to change when a rank is killed for memory: the flag, its value and a smaller one to try.
 
     Packed dynamic batches are capped by ``--max_tokens_per_gpu``; fixed micro-batches by
     ``--micro_train_batch_size``, and at one sample by ``--max_len`` unless gradient checkpointing is still off.
     """
-    options = {k: v for config in configs[:-1] for k, v in vars(config).items()}
+    options = {k: v for section in sections for k, v in vars(section).items()}
     if "max_tokens_per_gpu" not in options or "max_len" not in options and not options["use_dynamic_batch"]:
         return None
     if options["use_dynamic_batch"]:

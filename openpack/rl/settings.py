@@ -52,7 +52,9 @@ class RLSettings:
         return self.updates_per_rollout > 1 or self.reward_kl or self.async_staleness > 0
 
 
-def rl_settings(rollout_cfg, rl_cfg, train_cfg) -> RLSettings:
+def rl_settings(cfg) -> RLSettings:
+    """The step's settings from the run config's ``rollout``, ``rl`` and ``train`` sections."""
+    rollout_cfg, rl_cfg, train_cfg = cfg.rollout, cfg.rl, cfg.train
     low, high = rl_cfg.eps_clip_low_high or [rl_cfg.eps_clip, rl_cfg.eps_clip]
     policy = PolicyLossParams(eps_low=low, eps_high=high, kl_coef=rl_cfg.init_kl_coef if rl_cfg.use_kl_loss else 0.0,
                               kl_estimator=rl_cfg.kl_estimator, tis_cap=rl_cfg.vllm_is_correction_cap)

@@ -95,11 +95,12 @@ def resolved_backend(rollout_cfg) -> str:
     return "vllm" if vllm_available() else "hf"
 
 
-def plan_rl(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, world_size: int, demo_model=None) -> list:
+def plan_rl(cfg, world_size: int, demo_model=None) -> list:
     """The driver's check before any actor starts: the prompts load and make a rollout batch. Ranks plan alone
-    (every rank holds every prompt: they are small)."""
+    (every rank holds every prompt: they are small). ``cfg``: the run's ``PPORunConfig``."""
+    model_cfg, data_cfg, train_cfg, rollout_cfg = cfg.model, cfg.data, cfg.train, cfg.rollout
     tokenizer = load_tokenizer(model_cfg.pretrain or str(demo_model))
-    prompts = load_prompts(data_cfg, tokenizer, train_cfg.seed, prompt_datasets(data_cfg, out_cfg, True))
+    prompts = load_prompts(data_cfg, tokenizer, train_cfg.seed, prompt_datasets(data_cfg, cfg.output, True))
     rollout_schedule(len(prompts), rollout_cfg.rollout_batch_size, rollout_cfg.num_episodes, train_cfg.seed,
                      train_cfg.max_steps)
     return [None] * world_size
@@ -111,11 +112,13 @@ def prompt_datasets(data_cfg, out_cfg, is_main: bool) -> list[str]:
     return data_cfg.prompt_data or demo.write_prompt_data(Path(out_cfg.save_path), is_main)
 
 
-def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_model=None, save_config=None,
-            engine_group=None, plan=None, reward_groups=None, reference_group=None) -> int:
-    """One rank's RL run; ``engine_group``: the driver's vLLM engine actors (Ray), else engines are made here;
+def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None, reward_groups=None,
+            reference_group=None) -> int:
+    """One rank's RL run of ``cfg`` (its ``PPORunConfig``); ``engine_group``: the driver's vLLM engine actors (Ray), else engines are made here;
     ``reward_groups``: the driver's reward-model actor groups (Ray), else rank 0 loads the reward models;
     ``reference_group``: the driver's reference actor (Ray), else each rank holds the reference model."""
+    model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg = (cfg.model, cfg.data, cfg.train, cfg.output,
+                                                                    cfg.rollout, cfg.rl)
     dist = start_worker(model_cfg, train_cfg.seed)
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
@@ -129,15 +132,15 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     prompts = load_prompts(data_cfg, tokenizer, train_cfg.seed, datasets)
     schedule = rollout_schedule(len(prompts), rollout_cfg.rollout_batch_size, rollout_cfg.num_episodes,
                                 train_cfg.seed, train_cfg.max_steps)
-    settings = rl_settings(rollout_cfg, rl_cfg, train_cfg)
+    settings = rl_settings(cfg)
     rank_plan = RankPlan([_planned(i, ids, train_cfg.seed, rollout_cfg) for i, ids in enumerate(schedule)], [],
                          "", datasets)
     optimizer_steps = len(schedule) * settings.updates_per_rollout
-    critic = critic_engine(rl_cfg, model_cfg, train_cfg, pretrain, tokenizer, dist, optimizer_steps) \
+    critic = critic_engine(cfg, pretrain, tokenizer, dist, optimizer_steps) \
         if settings.critic else None
     kl_ctl = kl_controller(rl_cfg.init_kl_coef, rl_cfg.target_kl, rl_cfg.kl_horizon)
     empty = EmptySteps()
-    run = TrainingRun(model, tokenizer, rank_plan, model_cfg, train_cfg, out_cfg, dist, save_config,
+    run = TrainingRun(model, tokenizer, rank_plan, cfg, dist, save_config,
                       optimizer_steps=optimizer_steps, companions={"critic": critic} if critic else None,
                       extra_state=lambda: {"kl_controller": kl_ctl.state_dict(), "empty_steps": empty.in_a_row})
     if not settings.async_staleness:  # asynchronous, the difference also measures staleness (docs/rl.md)
@@ -155,7 +158,7 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     elif settings.needs_reference and is_lora(model) and not rl_cfg.ref_pretrain:
         scorers["ref"] = reference.AdapterReference(run.engine, model, dist.device)  # LoRA: the base, adapters off
     elif settings.needs_reference:
-        scorers["ref"] = build_rl_reference(model_cfg, rl_cfg, pretrain, dist)
+        scorers["ref"] = build_rl_reference(cfg, pretrain, dist)
     backend = resolved_backend(rollout_cfg)
     if dist.is_main:
         logger.info("rollouts: %s%s", backend, " (auto: vLLM imports)" if rollout_cfg.rollout_backend == "auto"
@@ -166,7 +169,7 @@ def run_ppo(model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, demo_m
     pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train)
     sync = _weight_sync(backend, rollout_cfg, generator, run.engine.module, dist)
     reward = reward_source(rl_cfg, data_cfg, demo_model is not None,
-                           reward_scorers(rl_cfg, model_cfg, train_cfg, dist, reward_groups))
+                           reward_scorers(cfg, dist, reward_groups))
     colocation = Colocation(generator.engines, [run.engine, critic], functools.partial(
         push_weights, sync, run.engine, model_cfg.zero_stage, dist), dist.is_main) if rollout_cfg.colocate_all_models else None
     if sync is not None and colocation is None and run.position.global_step:  # resumed: the engines still hold
@@ -194,9 +197,10 @@ def logp_diff_limit(bf16: bool) -> MetricLimit:
                        "dtype); see docs/rl.md, 'Weight sync and the vLLM mismatch'")
 
 
-def build_rl_reference(model_cfg, rl_cfg, pretrain: str, dist=None):
+def build_rl_reference(cfg, pretrain: str, dist=None):
     """The frozen reference model scoring per-token log-probs (``ref(batch)``): a rank's own DeepSpeed engine, or
     (``dist`` None) the model of a Ray reference actor, which starts its own process group first."""
+    model_cfg, rl_cfg = cfg.model, cfg.rl
     in_actor = dist is None
     dist = start_worker(model_cfg, 0) if in_actor else dist
     flag = "--ref_pretrain" if rl_cfg.ref_pretrain else "--pretrain"
@@ -205,7 +209,7 @@ def build_rl_reference(model_cfg, rl_cfg, pretrain: str, dist=None):
     return reference.ModelReference(engine, dist.device) if in_actor else engine
 
 
-def critic_engine(rl_cfg, model_cfg, train_cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):
+def critic_engine(cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):
     """The critic's DeepSpeed engine: --critic_pretrain (default: the first --reward_pretrain, else --pretrain) as a
     value model, trained at --critic_learning_rate on the policy's schedule."""
     from dataclasses import replace
@@ -214,6 +218,7 @@ def critic_engine(rl_cfg, model_cfg, train_cfg, pretrain: str, tokenizer, dist, 
     from openpack.models.reward import HEAD, PackedValueModel, load_reward_model
     from openpack.trainers.run import optim_config, zero_config
 
+    model_cfg, train_cfg, rl_cfg = cfg.model, cfg.train, cfg.rl
     path, flag = ((rl_cfg.critic_pretrain, "--critic_pretrain") if rl_cfg.critic_pretrain else
                   (rl_cfg.reward_pretrain[0], "--reward_pretrain") if rl_cfg.reward_pretrain else (pretrain, "--pretrain"))
     model = load_reward_model(path, model_cfg.bf16, model_cfg.gradient_checkpointing,
@@ -224,9 +229,10 @@ def critic_engine(rl_cfg, model_cfg, train_cfg, pretrain: str, tokenizer, dist, 
     return create_engine(PackedValueModel(model), optim, zero_config(model_cfg), dist.world_size)
 
 
-def reward_scorers(rl_cfg, model_cfg, train_cfg, dist, reward_groups) -> list | None:
+def reward_scorers(cfg, dist, reward_groups) -> list | None:
     """What scores --reward_pretrain: the driver's actor groups, else (rank 0 only; it alone asks for rewards) the
     reward models loaded here."""
+    model_cfg, train_cfg, rl_cfg = cfg.model, cfg.train, cfg.rl
     if not rl_cfg.reward_pretrain:
         return None
     if reward_groups is not None:

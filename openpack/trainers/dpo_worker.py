@@ -31,16 +31,16 @@ from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_r
 logger = logging.getLogger("openpack")
 
 
-def plan_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_size: int, demo_model=None) -> list[RankPlan]:
-    """The driver's work: every rank's plan."""
-    return _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_size, demo_model, True)[1]
+def plan_dpo(cfg, world_size: int, demo_model=None) -> list[RankPlan]:
+    """The driver's work: every rank's plan (``cfg``: the run's ``DPORunConfig``)."""
+    return _tokenize_and_plan(cfg, world_size, demo_model, True)[1]
 
 
-def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_size: int, demo_model,
-                       is_main: bool) -> tuple[list[PreferencePair], list[RankPlan]]:
+def _tokenize_and_plan(cfg, world_size: int, demo_model, is_main: bool) -> tuple[list[PreferencePair], list[RankPlan]]:
     """Tokenize every pair once (for lengths and bad-row errors) and plan each rank's steps."""
-    tokenizer = load_tokenizer(model_cfg.pretrain or str(demo_model))
-    datasets = data_cfg.dataset or demo.write_preference_data(Path(out_cfg.save_path), is_main)
+    data_cfg, train_cfg, dpo_cfg = cfg.data, cfg.train, cfg.dpo
+    tokenizer = load_tokenizer(cfg.model.pretrain or str(demo_model))
+    datasets = data_cfg.dataset or demo.write_preference_data(Path(cfg.output.save_path), is_main)
     barrier()  # torchrun: rank 0 wrote the demo data
     rows = load_data_rows(datasets, data_cfg, train_cfg.seed)
     pairs, report = _tokenize(rows, tokenizer, data_cfg, data_cfg.skip_bad_samples)
@@ -50,12 +50,13 @@ def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, world_s
                              _fingerprint(pairs), scoring)
 
 
-def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, save_config=None,
-            reference_group=None, plan: RankPlan | None = None) -> int:
-    """One rank's training; ``plan`` is the driver's (Ray), or computed here (one process, torchrun).
+def run_dpo(cfg, demo_model=None, save_config=None, reference_group=None, plan: RankPlan | None = None) -> int:
+    """One rank's training of the run ``cfg`` (its ``DPORunConfig``); ``plan`` is the driver's (Ray), or computed
+    here (one process, torchrun).
 
     ``reference_group`` (Ray, --ref_num_nodes): reference actors elsewhere; ``scorer(rank)`` serves this rank.
     """
+    model_cfg, data_cfg, train_cfg, dpo_cfg = cfg.model, cfg.data, cfg.train, cfg.dpo
     dist = start_worker(model_cfg, train_cfg.seed)
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
@@ -68,8 +69,7 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2,
                          frozen_params=sum(p.numel() for p in model.parameters()) if colocated else 0)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
-        items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, dist.world_size,
-                                          demo_model, dist.is_main)
+        items, plans = _tokenize_and_plan(cfg, dist.world_size, demo_model, dist.is_main)
         plan = plans[dist.rank]
     else:  # the driver's plan: tokenize only this rank's rows
         rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
@@ -77,7 +77,7 @@ def run_dpo(model_cfg, data_cfg, train_cfg, out_cfg, dpo_cfg, demo_model=None, s
     segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
-    run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config)
+    run = TrainingRun(model, tokenizer, plan, cfg, dist, save_config)
 
     loss_types, weights = dpo_cfg.losses()
     params = LossParams(beta=dpo_cfg.beta, label_smoothing=dpo_cfg.label_smoothing, simpo_gamma=dpo_cfg.simpo_gamma)
@@ -107,9 +107,10 @@ def _tokenize(rows, tokenizer, data_cfg, skip_bad_samples: bool, warn: bool = Tr
                           apply_chat_template=data_cfg.apply_chat_template, input_template=data_cfg.input_template)
 
 
-def build_reference(model_cfg, dpo_cfg, train_cfg, demo_model=None) -> reference.ModelReference:
+def build_reference(cfg, demo_model=None) -> reference.ModelReference:
     """What each actor of a separate reference group runs once (in its own process group): the frozen model."""
-    dist = start_worker(model_cfg, train_cfg.seed)
+    model_cfg, dpo_cfg = cfg.model, cfg.dpo
+    dist = start_worker(model_cfg, cfg.train.seed)
     return _reference_model(dpo_cfg.ref_pretrain or model_cfg.pretrain or str(demo_model), model_cfg, dpo_cfg, dist)
 
 

@@ -40,9 +40,9 @@ from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_r
 logger = logging.getLogger("openpack")
 
 
-def plan_rm(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, world_size: int, demo_model=None) -> list[RankPlan]:
-    """The driver's work: every rank's plan."""
-    return _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, world_size, demo_model, True)[1]
+def plan_rm(cfg, world_size: int, demo_model=None) -> list[RankPlan]:
+    """The driver's work: every rank's plan (``cfg``: the run's ``RMRunConfig``)."""
+    return _tokenize_and_plan(cfg, world_size, demo_model, True)[1]
 
 
 def _training_rows(datasets, data_cfg, rm_cfg, seed: int) -> tuple[Rows, Rows | None]:
@@ -62,12 +62,12 @@ def _training_rows(datasets, data_cfg, rm_cfg, seed: int) -> tuple[Rows, Rows | 
     return rows_where(False), rows_where(True)
 
 
-def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, world_size: int, demo_model,
-                       is_main: bool) -> tuple[list[PreferencePair], list[RankPlan]]:
+def _tokenize_and_plan(cfg, world_size: int, demo_model, is_main: bool) -> tuple[list[PreferencePair], list[RankPlan]]:
     """Tokenize every training pair once (for lengths and bad-row errors) and plan each rank's steps."""
-    tokenizer = load_tokenizer(model_cfg.pretrain or str(demo_model))
-    datasets = data_cfg.dataset or demo.write_preference_data(Path(out_cfg.save_path), is_main, demo.REWARD_SAMPLES,
-                                                              "rm_train.jsonl")
+    data_cfg, train_cfg, rm_cfg = cfg.data, cfg.train, cfg.rm
+    tokenizer = load_tokenizer(cfg.model.pretrain or str(demo_model))
+    datasets = data_cfg.dataset or demo.write_preference_data(Path(cfg.output.save_path), is_main,
+                                                              demo.REWARD_SAMPLES, "rm_train.jsonl")
     barrier()  # torchrun: rank 0 wrote the demo data
     rows, _ = _training_rows(datasets, data_cfg, rm_cfg, train_cfg.seed)
     pairs, report = _tokenize(rows, tokenizer, data_cfg, rm_cfg, data_cfg.skip_bad_samples)
@@ -77,9 +77,10 @@ def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, world_si
     return pairs, plans
 
 
-def run_rm(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, demo_model=None, save_config=None,
-           plan: RankPlan | None = None) -> int:
-    """One rank's training; ``plan`` is the driver's (Ray), or computed here (one process, torchrun)."""
+def run_rm(cfg, demo_model=None, save_config=None, plan: RankPlan | None = None) -> int:
+    """One rank's training of the run ``cfg`` (its ``RMRunConfig``); ``plan`` is the driver's (Ray), or computed
+    here (one process, torchrun)."""
+    model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg = cfg.model, cfg.data, cfg.train, cfg.output, cfg.rm
     dist = start_worker(model_cfg, train_cfg.seed)
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
@@ -88,8 +89,7 @@ def run_rm(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, demo_model=None, sav
     model = apply_lora(model, model_cfg, head=HEAD)  # LoRA: adapters, and the value head trained in full
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
-        items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, dist.world_size,
-                                          demo_model, dist.is_main)
+        items, plans = _tokenize_and_plan(cfg, dist.world_size, demo_model, dist.is_main)
         plan = plans[dist.rank]
     else:  # the driver's plan: tokenize only this rank's rows
         rows, _ = _training_rows(plan.datasets, data_cfg, rm_cfg, train_cfg.seed)
@@ -98,7 +98,7 @@ def run_rm(model_cfg, data_cfg, train_cfg, out_cfg, rm_cfg, demo_model=None, sav
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
     module = PackedRewardModel(model)
-    run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config, module=module)
+    run = TrainingRun(model, tokenizer, plan, cfg, dist, save_config, module=module)
     margins = None
     if rm_cfg.margin_key:
         ids = plan.sample_ids()

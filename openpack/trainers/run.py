@@ -104,17 +104,19 @@ def run_steps(step: Callable[[RankStep], dict], steps: list[RankStep], logging_s
 
 
 class TrainingRun:
-    """One run of this rank's planned steps with the shared model, train and output flags."""
+    """One run of this rank's planned steps with the shared model, train and output sections of the run config."""
 
-    def __init__(self, model, tokenizer, plan: RankPlan, model_cfg, train_cfg, out_cfg, dist: DistInfo,
+    def __init__(self, model, tokenizer, plan: RankPlan, cfg, dist: DistInfo,
                  save_config: Callable[[Path], None] | None = None, module: torch.nn.Module | None = None,
                  optimizer_steps: int | None = None, companions: dict | None = None,
                  extra_state: Callable[[], dict] | None = None):
-        """``module`` wraps ``model`` for the engine (default ``PackedCausalLM``: per-token log-probs);
+        """``cfg``: the run's config (its ``model``, ``train`` and ``output`` sections are read here);
+        ``module`` wraps ``model`` for the engine (default ``PackedCausalLM``: per-token log-probs);
         ``optimizer_steps`` sizes the learning-rate schedule when a planned step holds several (online RL);
         ``companions`` (``name -> engine``, e.g. PPO's critic) are checkpointed and resumed with the policy;
         ``extra_state()`` adds to each checkpoint's client state (e.g. an adaptive KL coefficient), and a resume
         leaves the saved client state in ``self.resumed_state``."""
+        model_cfg, train_cfg, out_cfg = cfg.model, cfg.train, cfg.output
         self.tokenizer, self.dist, self.plan, self.out_cfg = tokenizer, dist, plan, out_cfg
         self.companions, self.extra_state, self.resumed_state = companions or {}, extra_state, {}
         self.save_path = Path(out_cfg.save_path)

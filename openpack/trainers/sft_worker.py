@@ -33,16 +33,16 @@ from openpack.trainers.sft import train_step
 logger = logging.getLogger("openpack")
 
 
-def plan_sft(model_cfg, data_cfg, train_cfg, out_cfg, world_size: int) -> list[RankPlan]:
-    """The driver's work: every rank's plan."""
-    return _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, world_size, is_main=True)[1]
+def plan_sft(cfg, world_size: int) -> list[RankPlan]:
+    """The driver's work: every rank's plan (``cfg``: the run's ``SFTRunConfig``)."""
+    return _tokenize_and_plan(cfg, world_size, is_main=True)[1]
 
 
-def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, world_size: int,
-                       is_main: bool) -> tuple[list[SFTSample], list[RankPlan]]:
+def _tokenize_and_plan(cfg, world_size: int, is_main: bool) -> tuple[list[SFTSample], list[RankPlan]]:
     """Tokenize every row once (for lengths and bad-row errors) and plan each rank's steps."""
-    tokenizer = load_tokenizer(model_cfg.pretrain) if model_cfg.pretrain else build_demo_tokenizer()
-    datasets = data_cfg.dataset or demo.write_sft_data(Path(out_cfg.save_path), is_main)
+    data_cfg, train_cfg = cfg.data, cfg.train
+    tokenizer = load_tokenizer(cfg.model.pretrain) if cfg.model.pretrain else build_demo_tokenizer()
+    datasets = data_cfg.dataset or demo.write_sft_data(Path(cfg.output.save_path), is_main)
     barrier()  # torchrun: rank 0 wrote the demo data
     rows = load_data_rows(datasets, data_cfg, train_cfg.seed)
     samples, report = _tokenize(rows, tokenizer, data_cfg, data_cfg.skip_bad_samples)
@@ -50,22 +50,24 @@ def _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, world_size: int,
     return samples, plan_ranks(samples, _segments, datasets, train_cfg, world_size)
 
 
-def run_sft(model_cfg, data_cfg, train_cfg, out_cfg, save_config=None, plan: RankPlan | None = None) -> int:
-    """One rank's training; ``plan`` is the driver's (Ray), or computed here (one process, torchrun)."""
+def run_sft(cfg, save_config=None, plan: RankPlan | None = None) -> int:
+    """One rank's training of the run ``cfg`` (its ``SFTRunConfig``); ``plan`` is the driver's (Ray), or computed
+    here (one process, torchrun)."""
+    model_cfg, data_cfg, train_cfg = cfg.model, cfg.data, cfg.train
     dist = start_worker(model_cfg, train_cfg.seed)
     is_demo = model_cfg.pretrain is None
     tokenizer, model = demo.tokenizer_and_model(model_cfg, train_cfg.seed)
     model = apply_lora(model.to(dist.device), model_cfg)
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
-        items, plans = _tokenize_and_plan(model_cfg, data_cfg, train_cfg, out_cfg, dist.world_size, dist.is_main)
+        items, plans = _tokenize_and_plan(cfg, dist.world_size, dist.is_main)
         plan = plans[dist.rank]
     else:  # the driver's plan: tokenize only this rank's rows
         rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
         items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False, warn=False)[0])
     samples = {i: _segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(samples.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
-    run = TrainingRun(model, tokenizer, plan, model_cfg, train_cfg, out_cfg, dist, save_config)
+    run = TrainingRun(model, tokenizer, plan, cfg, dist, save_config)
     with run.tracker:
         if is_demo:
             _report_accuracy(run.tracker, run.position.global_step, "before", demo.accuracy(model, tokenizer))
