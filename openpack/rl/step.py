@@ -1,26 +1,22 @@
-"""One step of online RL on packed experience: generate -> reward -> score -> advantages -> update -> sync.
+"""One step of online RL on packed experience (``rl_step``), one rollout batch from prompts to synced weights:
 
 ::
 
-    rank 0 (vLLM) or every rank (HF, its share)   prompts -> n completions each, behaviour log-probs
-    rank 0                                         rewards (rule function | remote URL | exact match)
-    every rank                                     samples = prompt + completion segments, loss on the completion
-                                                   reference (and old-policy) log-probs on its share, gathered
-                                                   advantages + KL (core, the same on every rank)
-    every rank                                     updates: planned packs, token weights from the step's counts
-    rank 0 (every rank iterates under ZeRO-3)      weight sync to the engines, policy version += 1
+    who                                            what                                           where
+    rank 0 (vLLM) or every rank (HF, its share)    prompts -> n completions each, behaviour       generation.py
+                                                   log-probs (ahead of training: --async_train)   pipeline.py
+    rank 0, then shared                            rewards, shaped (overlong penalty, clipping)   rewards.py
+    every rank (the same)                          --dynamic_filtering: groups that teach nothing  here
+                                                   dropped, others generated in their place
+    every rank, its share of one packed pass       old/reference/critic log-probs, gathered;      experience.py
+                                                   advantages (core, the same on every rank)
+    every rank                                     optimizer steps on planned packs, the policy   update.py
+                                                   (and the critic) loss weighed per token
+    rank 0 sends (every rank iterates, ZeRO-3)     weight sync to the engines, version += 1       rollout/weight_sync.py
 
-Every rank holds the whole rollout batch (token ids, a few floats per
-token): it is small next to a model, and it lets each rank plan the same
-packs and compute the same advantages without another exchange. Only the
-forwards are split. A completion is one segment: the prompt's tokens are
-context, the completion's tokens are the targets, so a packed row of
-completions costs no compute on padding.
-
-The old policy's log-probs are computed in their own pass only when they
-differ from the update's own (several updates per rollout, or a KL penalty
-in the reward): with one update per rollout the ratio's denominator is the
-first forward's log-probs, detached, as TRL does for ``num_iterations=1``.
+Every rank holds the whole rollout batch (``episodes.py``); only the forwards are split. A step is one planned
+step of the shared ``TrainingRun`` (``trainers/run.py``): checkpoints, ``--max_steps`` and metrics count rollout
+batches.
 """
 
 from __future__ import annotations
@@ -75,6 +71,7 @@ class EmptySteps:
 
 
 def rl_step(loop: RLLoop, planned: RankStep) -> dict:
+    """Rollout batch ``planned.index``: generate, reward, (filter), train, push; returns the step's metrics."""
     run, settings, dist, tokenizer = loop.run, loop.settings, loop.dist, loop.tokenizer
     start = time.perf_counter()
     step = planned.index
