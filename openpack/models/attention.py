@@ -36,7 +36,9 @@ when a cache is present (measured 0.50 max logit error on a tiny Llama).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import itertools
 import logging
 
@@ -172,13 +174,50 @@ def _flash_attn_cross(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window,
 
 
 def _torch_varlen_cross(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups):
+    # FlashAttention-2 underneath: causal and the window align to the bottom-right corner, as in flash-attn.
+    return _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups)
+
+
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups):
+    """Causal ``varlen_attn`` across the signatures PyTorch has shipped.
+
+    torch 2.10 takes ``is_causal`` and neither ``scale`` nor ``window_size``;
+    2.11 adds ``scale`` and ``window_size`` (``(-1, 0)`` is causal); later ones
+    add ``enable_gqa``. Without it, grouped KV heads are repeated (query head h
+    reads KV head h // groups, as transformers' ``repeat_kv``): the H200 run of
+    2026-11-26 (torch 2.11) refused ``enable_gqa``.
+    """
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout:
         raise ValueError("torch_varlen attention has no dropout; use flash_attn or set attention_dropout=0")
-    # FlashAttention-2 underneath: causal and the window align to the bottom-right corner, as in flash-attn.
-    window_size = (window - 1, 0) if window else (-1, 0)
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=groups > 1)
+    params = _varlen_parameters()
+    kwargs = {}
+    if groups > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+    if "window_size" in params:
+        # (-1, 0) is plain causal; (W - 1, 0) a causal sliding window of W keys.
+        kwargs["window_size"] = (window - 1, 0) if window else (-1, 0)
+    elif window:
+        raise ValueError(f"torch {torch.__version__}'s varlen_attn has no sliding window; use flash_attn, "
+                         "--attn_backend sdpa, or torch >= 2.11")
+    else:
+        kwargs["is_causal"] = True
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale is not None:
+        q = q * (scale * q.shape[-1] ** 0.5)  # the kernel divides by sqrt(head_dim)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _sdpa_cross(q, k, v, cu_q, cu_k, _max_q, _max_k, scale, dropout, window, groups):
@@ -212,16 +251,7 @@ def _flash_attn_kernel(q, k, v, cu_seqlens, max_seqlen, scale, dropout, window, 
 
 
 def _torch_varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scale, dropout, window, groups):
-    from torch.nn.attention.varlen import varlen_attn
-
-    if dropout:
-        raise ValueError("torch_varlen attention has no dropout; use flash_attn or set attention_dropout=0")
-    # (-1, 0) is plain causal; (W - 1, 0) a causal sliding window of W keys.
-    window_size = (window - 1, 0) if window else (-1, 0)
-    return varlen_attn(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-        scale=scale, window_size=window_size, enable_gqa=groups > 1,
-    )
+    return _torch_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, dropout, window, groups)
 
 
 def _sdpa_kernel(q, k, v, cu_seqlens, _max_seqlen, scale, dropout, window, groups):
