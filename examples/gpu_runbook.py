@@ -1,6 +1,6 @@
 """Every GPU check of docs/verification.md in one command: results under --out, a Markdown block to append.
 
-    # a lent GPU machine, in ONE call of the device tool, from the repo root (about 8 min on an H100):
+    # a lent GPU machine, in ONE call of the device tool, from the repo root (about 5 min on an H200):
     python examples/gpu_runbook.py --out "$OUT"
     # then, here: append the block that came back to docs/verification.md
     cat <files_at>/verification_block.md >> docs/verification.md
@@ -28,7 +28,7 @@ Sections, each recorded whatever the others did (a failure is a result):
    DPOTrainer (its defaults: 8 pairs per micro-batch, padded), on a
    Qwen2.5-0.5B-shaped model built from a config (random init, bf16), pairs
    from the ANCHORS length mix;
-5. MFU: ``benchmarks/gpu_mfu.py`` (packed vs padded, 0.5B and 1.5B shapes);
+5. MFU: ``benchmarks/gpu_mfu.py`` (packed vs padded, the 0.5B shape; ``--mfu_sizes 0.5b 1.5b`` for both);
 6. ``--fused_loss``: the LM head alone, chunked vs fused, bf16, 8192 tokens at width 896, vocab 32000 and
    151936 (``benchmarks/fused_loss.py --head_only``): kept as an option because it wins on CPU; this says
    whether it does on a GPU.
@@ -72,12 +72,20 @@ class Runbook:
         self.log.flush()
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "PYTHONUNBUFFERED": "1"}
+        # The output streams into the log, so a call cut off by the device's limit still brings back what a
+        # command printed so far (on 2026-11-26 gpu_mfu's per-arm lines were lost that way).
+        start = self.log.tell()
         try:
-            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-            code, output = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as err:
-            code, output = 124, f"{err.stdout or ''}{err.stderr or ''}\ntimed out after {timeout_s:.0f} s"
-        self.log.write(output + f"\n===== {name}: exit {code}\n")
+            code = subprocess.run(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+            self.log.write(f"\ntimed out after {timeout_s:.0f} s\n")
+        self.log.flush()
+        with open(self.out / "runbook.log", encoding="utf-8", errors="replace") as log:
+            log.seek(start)
+            output = log.read()
+        self.log.write(f"\n===== {name}: exit {code}\n")
         self.log.flush()
         return code, output
 
@@ -264,9 +272,9 @@ def trl_arm(size: str, steps: int, pairs_per_step: int, scale: int, device, dtyp
     return result
 
 
-def mfu(book: Runbook) -> list[str]:
-    argv = [sys.executable, "benchmarks/gpu_mfu.py"] + (["--smoke"] if book.dry_run else ["--sizes", "0.5b", "1.5b"])
-    code, output = book.command("gpu_mfu", argv, 360)
+def mfu(book: Runbook, sizes: list[str]) -> list[str]:
+    argv = [sys.executable, "benchmarks/gpu_mfu.py"] + (["--smoke"] if book.dry_run else ["--sizes", *sizes])
+    code, output = book.command("gpu_mfu", argv, 300)
     table = output[output.find("## GPU: packed vs padded DPO"):] if "## GPU: packed" in output else ""
     book.results["gpu_mfu"] = {"exit": code}
     body = [line for line in table.splitlines()[1:] if line.strip()]
@@ -294,6 +302,8 @@ def main(argv=None) -> int:
     parser.add_argument("--append", type=Path, help="also append the block to this file (e.g. docs/verification.md)")
     parser.add_argument("--budget_s", type=float, default=500.0, help="start no section after this many seconds")
     parser.add_argument("--trl_size", default="0.5b", choices=["0.5b", "1.5b"])
+    parser.add_argument("--mfu_sizes", nargs="+", default=["0.5b"], choices=["0.5b", "1.5b"],
+                        help="gpu_mfu's model shapes (0.5b and 1.5b together outran a 540 s call on 2026-11-26)")
     args = parser.parse_args(argv)
     import torch
 
@@ -309,7 +319,7 @@ def main(argv=None) -> int:
     else:
         trl_settings = (args.trl_size, 5, 32, 1)
     book.section("DPO tokens/s: openpack vs TRL", lambda: dpo_vs_trl(book, *trl_settings))
-    book.section("MFU: packed vs padded DPO (benchmarks/gpu_mfu.py)", lambda: mfu(book))
+    book.section("MFU: packed vs padded DPO (benchmarks/gpu_mfu.py)", lambda: mfu(book, args.mfu_sizes))
     book.section("Fused LM head + loss vs chunked (benchmarks/fused_loss.py --head_only)", lambda: fused_loss(book))
     book.write()
     block = (args.out / "verification_block.md").read_text()
