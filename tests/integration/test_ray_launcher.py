@@ -135,16 +135,6 @@ def test_a_rank_killed_by_rays_memory_monitor_is_one_line(tmp_path, dpo_args):
 
 
 @pytest.mark.slow
-def test_two_ray_workers_equal_one_local_rank_sft(tmp_path, tiny_pretrain, sft_jsonl):
-    data = ["--pretrain", tiny_pretrain, "--dataset", sft_jsonl, *SFT]
-    local = openpack("train_sft", *data, "--save_path", str(tmp_path / "local"), "--launcher", "local")
-    assert local.returncode == 0, local.stderr[-3000:]
-    ray = openpack("train_sft", *data, "--save_path", str(tmp_path / "ray"), *TWO_WORKERS)
-    assert ray.returncode == 0, ray.stderr[-3000:]
-    assert_same_run(tmp_path / "ray", tmp_path / "local")
-
-
-@pytest.mark.slow
 def test_a_worker_data_error_reaches_the_user_as_one_line(tmp_path, tiny_pretrain):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "ab", "response": "ba"}) + "\n")

@@ -1,5 +1,5 @@
-"""Reward models as Ray actor groups (`train_ppo --reward_pretrain DIR` under `--launcher ray`): the same run as
-with the reward model inside rank 0 (`--colocate_critic_reward`), and a killed reward actor named by the driver.
+"""Reward models and the reference as Ray actor groups (`train_ppo --reward_pretrain DIR`, `--ref_num_nodes 1` under
+`--launcher ray`): the same run as with them inside the ranks, and a killed reward actor named by the driver.
 
 The PPO run of test_ppo_critic.py (a tiny reward model with a saved normalisation, the critic started from it,
 HF rollouts), one Ray rank: the rewards come from an actor of their own or from rank 0, and every metric and
@@ -36,13 +36,21 @@ def run(save_path, root, *flags, wait=True):
 
 
 @pytest.mark.slow
-def test_a_reward_actor_group_equals_the_reward_model_in_rank_0(ppo_models, tmp_path):
-    out = run(tmp_path / "actors", ppo_models)
+def test_reward_and_reference_actor_groups_equal_the_models_in_the_ranks(ppo_models, tmp_path):
+    """Two ranks, the KL term on (COMMON's --init_kl_coef 0.05): the reward model and the reference each in an
+    actor group of their own, which both ranks ask for their shares, give the same run to 1e-5 as both inside the
+    ranks (`--colocate_critic_reward`: the reward model in rank 0; the reference in every rank, the default).
+    One run of each layout checks both groups: each Ray run costs a cluster start."""
+    two_ranks = ["--num_gpus_per_node", "2"]
+    out = run(tmp_path / "actors", ppo_models, *two_ranks, "--ref_num_nodes", "1")
     assert f"ray: placing 1 reward model {ppo_models / 'rm'} actors" in out
-    run(tmp_path / "in_rank", ppo_models, "--colocate_critic_reward")
-    assert_same_run(tmp_path / "actors", tmp_path / "in_rank")
-    for a, b in zip(read_metrics(tmp_path / "actors"), read_metrics(tmp_path / "in_rank")):
+    assert "ray: placing 1 reference actors" in out
+    out = run(tmp_path / "in_ranks", ppo_models, *two_ranks, "--colocate_critic_reward")
+    assert "reward model" not in out and "reference actors" not in out
+    assert_same_run(tmp_path / "actors", tmp_path / "in_ranks")
+    for a, b in zip(read_metrics(tmp_path / "actors"), read_metrics(tmp_path / "in_ranks")):
         assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
+    assert read_metrics(tmp_path / "actors")[-1]["kl"] != 0  # k1: a mean of log-ratios, either sign
 
 
 @pytest.mark.slow
@@ -77,16 +85,3 @@ def wait_for(found, timeout: float = HANG_S):
             return value
         time.sleep(0.2)
     raise AssertionError("timed out")
-
-
-@pytest.mark.slow
-def test_a_reference_actor_equals_the_reference_in_the_ranks(ppo_models, tmp_path):
-    """--init_kl_coef 0.05 under Ray: the reference model in an actor of its own (--ref_num_nodes 1) or in the
-    ranks (the default) gives the same per-token KL, so the same run to 1e-5. Two ranks, so both ask the one
-    reference actor for their shares."""
-    flags = ["--num_gpus_per_node", "2", "--colocate_critic_reward"]
-    out = run(tmp_path / "actor", ppo_models, *flags, "--ref_num_nodes", "1")
-    assert "ray: placing 1 reference actors" in out
-    run(tmp_path / "in_ranks", ppo_models, *flags)
-    assert_same_run(tmp_path / "actor", tmp_path / "in_ranks")
-    assert read_metrics(tmp_path / "actor")[-1]["kl"] != 0  # k1: a mean of log-ratios, either sign

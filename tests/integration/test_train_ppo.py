@@ -136,14 +136,6 @@ def test_a_vllm_run_prints_only_what_a_user_acts_on(vllm_run):
     assert "Loading safetensors checkpoint shards" in log.read_text()
 
 
-@pytest.mark.slow
-def test_two_ray_ranks_with_an_engine_actor_equal_one_local_rank(vllm_run, tmp_path, rl_model):
-    """Under Ray the engine is an actor of its own and rank 0 asks it for every rollout; the ZeRO-3 gathers of the
-    weight sync run on both ranks. The same seeds sample the same completions, so the run equals the in-process one."""
-    run = grpo(tmp_path / "ray", rl_model, *VLLM_FLAGS, "--launcher", "ray", "--num_gpus_per_node", "2")
-    assert_same_run(run, vllm_run)
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "1"], "--n_samples_per_prompt >= 2"),
     (["--train_batch_size", "5"], "does not split into steps of --train_batch_size"),
