@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import itertools
 import logging
 
 import torch
@@ -221,15 +220,29 @@ def _varlen_parameters() -> frozenset[str]:
 
 
 def _sdpa_cross(q, k, v, cu_q, cu_k, _max_q, _max_k, scale, dropout, window, groups):
-    """SDPA per response (queries) over its prompt's keys and its own, with a bottom-right causal mask."""
-    outputs = []
-    for (q0, q1), (k0, k1) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist())):
-        mask = _bottom_right_mask(q1 - q0, k1 - k0, window, q.device)
-        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1]))  # [1, H, L, D]
+    """SDPA of each response (queries) over its prompt's keys and its own, with a bottom-right causal mask.
+
+    Responses of the same (query, key) lengths share one batched call, as ``_sdpa_kernel`` batches segments of
+    one length: an RL group's later completions of one length after one prompt are one call, not n - 1.
+    """
+    q_starts, k_starts = cu_q[:-1].long(), cu_k[:-1].long()
+    q_lengths, k_lengths = cu_q[1:].long() - q_starts, cu_k[1:].long() - k_starts
+    order, outputs = [], []
+    for queries, keys in torch.stack([q_lengths, k_lengths], 1).unique(dim=0).tolist():
+        same = (q_lengths == queries) & (k_lengths == keys)
+        q_index = q_starts[same][:, None] + torch.arange(queries, device=q.device)  # [n, queries]
+        k_index = k_starts[same][:, None] + torch.arange(keys, device=q.device)  # [n, keys]
+        qs = q[q_index].transpose(1, 2)  # [n, H, queries, D]
+        ks, vs = (x[k_index].transpose(1, 2) for x in (k, v))
+        mask = _bottom_right_mask(queries, keys, window, q.device)
         attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scale,
                                                   enable_gqa=groups > 1)
-        outputs.append(attended[0].transpose(0, 1))
-    return torch.cat(outputs)
+        outputs.append(attended.transpose(1, 2).reshape(-1, *attended.shape[1:2], attended.shape[-1]))
+        order.append(q_index.reshape(-1))
+    order = torch.cat(order)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=q.device)
+    return torch.cat(outputs).index_select(0, inverse)
 
 
 def _bottom_right_mask(queries: int, keys: int, window: int | None, device) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openpack.core.batch import collate_packed
+from openpack.core.batch import CHOSEN, PROMPT, Segment, collate_packed
 from openpack.core.logprobs import pair_segments, segment_logprobs
 from openpack.data.preference import PreferencePair
 from openpack.models.attention import _shared_prefix_attention, register_packed_attention
@@ -57,6 +57,34 @@ def test_attention_equals_the_block_mask_reference(window):
     reference = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask,
                                                enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(out, reference, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_groups_of_many_responses_equal_the_block_mask_reference(window):
+    """Prompts with 5 responses each, most of one length (an RL group): the CPU kernel batches the later responses
+    of equal (query, key) lengths into one call, and must still equal the block mask."""
+    generator = torch.Generator().manual_seed(2)
+    segments = []
+    for sample, (prompt, responses) in enumerate([(6, [4, 4, 4, 2, 4]), (6, [4, 1, 4, 4, 4]), (3, [5, 5, 5, 5, 5])]):
+        segments.append(Segment(torch.randint(3, 256, (prompt,), generator=generator).tolist(), [False] * prompt,
+                                sample, PROMPT))
+        for n in responses:
+            segments.append(Segment(torch.randint(3, 256, (n,), generator=generator).tolist(), [True] * n, sample,
+                                    CHOSEN, after_prompt=True))
+    batch = collate_packed(segments)
+    assert batch.shared_prefix.cross_cu_seqlens_q.numel() - 1 == 12  # every response but each prompt's first
+    q = torch.randn(batch.num_tokens, 4, 8, generator=generator, requires_grad=True)
+    k, v = (torch.randn(batch.num_tokens, 2, 8, generator=generator, requires_grad=True) for _ in range(2))
+    out = _shared_prefix_attention("sdpa", q, k, v, batch.shared_prefix, None, 0.0, window, 2)
+    mask = shared_prefix_mask(batch, window)
+    reference = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask,
+                                               enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=0)
+    weights = torch.randn(out.shape, generator=generator)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    reference_grads = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+    for got, want in zip(grads, reference_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def test_block_mask_reference_by_hand():
