@@ -63,6 +63,9 @@ class RLTrainConfig(TrainConfig):
                                above=0)
     lr_warmup_ratio: float = arg(0.0, "share of optimizer steps spent warming up linearly", at_least=0, at_most=1)
     lr_scheduler: str = arg("constant", "schedule after warmup", choices=["cosine", "linear", "constant"])
+    prefix_sharing: bool = arg(False, "lay each prompt's completions out as one group prompt | completion | ... in "
+                               "every training-side pass (policy, old policy, reference, critic), the prompt "
+                               "computed once; steps then take whole groups (docs/rl.md, Prefix sharing)")
 
 
 @dataclass
@@ -240,6 +243,12 @@ def check_rl(cfg: PPORunConfig) -> None:
         raise ConfigError(f"a rollout batch of {completions} completions (--rollout_batch_size x "
                           f"--n_samples_per_prompt) does not split into steps of --train_batch_size "
                           f"{train_cfg.train_batch_size}; make it a divisor")
+    if train_cfg.prefix_sharing and not (train_cfg.packing_samples and train_cfg.use_dynamic_batch):
+        raise ConfigError("--prefix_sharing lays each prompt's completions out in one packed row under the token cap: "
+                          "add --packing_samples --use_dynamic_batch, or drop --prefix_sharing")
+    if train_cfg.prefix_sharing and train_cfg.train_batch_size % n:
+        raise ConfigError(f"--prefix_sharing trains whole groups: --train_batch_size {train_cfg.train_batch_size} "
+                          f"must be a multiple of --n_samples_per_prompt {n}")
     world = planned_world_size(launch_cfg)
     if not (train_cfg.packing_samples and train_cfg.use_dynamic_batch) and \
             train_cfg.train_batch_size % (train_cfg.micro_train_batch_size * world):

@@ -377,8 +377,9 @@ LORA = ("lora_rank", "lora_alpha", "target_modules", "load_in_4bit")
 
 
 def changed_settings(saved: dict, now: dict) -> dict[str, tuple]:
-    """``{key: (saved, now)}`` for every training setting that differs (a key one side lacks counts)."""
-    keys = [k for k in {**saved, **now} if k not in NOT_TRAINING]
+    """``{key: (saved, now)}`` for every training setting that differs (a key one side lacks counts, except a key
+    only ``now`` has at None or False: a flag newer than the saved run, off, as that run was)."""
+    keys = [k for k in {**saved, **now} if k not in NOT_TRAINING and (k in saved or now[k] not in (None, False))]
     return {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
 
 

@@ -67,7 +67,8 @@ class PackedValueModel(torch.nn.Module):
     """The critic DeepSpeed wraps for PPO: the reward model's architecture, its head read at every position.
 
     ``forward(batch)`` returns one fp32 value per position laid out like ``batch.labels`` flattened (as
-    ``PackedCausalLM`` lays out log-probs): the value at position t is the critic's estimate before token t + 1,
+    ``PackedCausalLM`` lays out log-probs): the value at position t is the critic's estimate before the token
+    labelled there (read at ``batch.label_source`` under prefix sharing, where labels sit on their own tokens),
     so the values at a completion's labelled positions are V(s_t) of each of its tokens.
     """
 
@@ -76,7 +77,9 @@ class PackedValueModel(torch.nn.Module):
         self.model = model
 
     def forward(self, batch) -> torch.Tensor:
-        return getattr(self.model, HEAD)(hidden_states(self.model, batch)).float()[:, 0]
+        hidden = hidden_states(self.model, batch)
+        source = getattr(batch, "label_source", None)  # prefix sharing: a label's state is the token before it
+        return getattr(self.model, HEAD)(hidden if source is None else hidden[source]).float()[:, 0]
 
 
 def describe_model(config) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from openpack.core.batch import Segment
+from openpack.core.batch import PROMPT, SAMPLE, Segment
 from openpack.distributed.process import DistInfo, all_gather_objects, broadcast_object
 
 
@@ -46,6 +46,77 @@ class Rollouts:
     @staticmethod
     def concat(parts: list["Rollouts"]) -> "Rollouts":
         return Rollouts(**{f.name: [x for part in parts for x in getattr(part, f.name)] for f in fields(Rollouts)})
+
+
+@dataclass
+class Units:
+    """How completions of a rollout batch are laid out in the training-side passes (policy, old policy,
+    reference, critic): unit u is ``members[u]``, completion ids in the order their tokens sit in a batch.
+
+    Unshared (the default): one completion a unit, prompt + completion as one segment. ``--prefix_sharing``
+    (``shared``): a unit is a prompt and completions of it, prompt | completion | ... | completion, each
+    completion attending to the prompt and itself and continuing the prompt's positions (``core/batch.py``), so
+    the prompt is computed once per unit instead of once per completion. ``add`` lays out a set of completions
+    (a step's, or the whole batch for a scoring pass): completions of one prompt (group k // n of a prompt-major
+    batch) go together, and a group whose shared row would pass the token cap is split into units of as many
+    completions as fit, each with its own copy of the prompt (``split_groups`` counts such splits).
+    """
+
+    rollouts: Rollouts
+    shared: bool
+    n: int = 1  # completions per prompt
+    max_tokens: int | None = None  # the row cap a shared unit must fit
+    members: list[list[int]] = field(default_factory=list)
+    lengths: list[tuple[int, ...]] = field(default_factory=list)  # each unit's segment lengths
+    split_groups: int = 0
+
+    def __post_init__(self):
+        if not self.shared:  # unit k is completion k
+            self.members = [[k] for k in range(len(self.rollouts.prompt_tokens))]
+            self.lengths = self.rollouts.lengths()
+
+    def add(self, completions) -> list[int]:
+        """The units of ``completions`` (ids, in order), laid out as new units when shared; returns their ids."""
+        if not self.shared:
+            return list(completions)
+        groups: dict[int, list[int]] = {}
+        for k in completions:
+            groups.setdefault(k // self.n, []).append(k)
+        parts = [part for group in groups.values() for part in self._split(group)]
+        first = len(self.members)
+        for part in parts:
+            self.members.append(part)
+            self.lengths.append(tuple(len(s.tokens) for s in self.segments(len(self.members) - 1)))
+        return list(range(first, len(self.members)))
+
+    def _split(self, group: list[int]) -> list[list[int]]:
+        prompt = self.rollouts.prompt_tokens[group[0]]
+        if any(self.rollouts.prompt_tokens[k] != prompt for k in group):
+            raise ValueError(f"--prefix_sharing: completions {group} are not one prompt's group of {self.n}")
+        parts, tokens = [[]], len(prompt)
+        for k in group:
+            size = len(self.rollouts.completion_tokens[k])
+            if not size:
+                raise ValueError(f"--prefix_sharing: completion {k} has no tokens to follow its prompt with")
+            if parts[-1] and self.max_tokens is not None and tokens + size > self.max_tokens:
+                parts.append([])
+                tokens = len(prompt)
+            parts[-1].append(k)
+            tokens += size
+        self.split_groups += len(parts) > 1
+        return parts
+
+    def segments(self, u: int) -> list[Segment]:
+        if not self.shared:
+            return self.rollouts.segments(self.members[u][0])
+        prompt = self.rollouts.prompt_tokens[self.members[u][0]]
+        return [Segment(prompt, [False] * len(prompt), u, PROMPT),
+                *(Segment(self.rollouts.completion_tokens[k], [True] * len(self.rollouts.completion_tokens[k]), u,
+                          SAMPLE, after_prompt=True) for k in self.members[u])]
+
+    def completions(self, ids) -> list[int]:
+        """The completions of units ``ids``, in the order their tokens sit in a batch of those units."""
+        return [k for u in ids for k in self.members[u]]
 
 
 def shared_rollouts(local: Rollouts | None, dist: DistInfo, generated_on_all_ranks: bool) -> Rollouts:

@@ -16,7 +16,7 @@ from openpack.core.advantages import gae, kl, sequence_advantages, token_returns
 from openpack.core.batch import host_to_device
 from openpack.core.schedule import plan_scoring
 from openpack.distributed.process import DistInfo, all_gather_objects
-from openpack.rl.episodes import Rollouts
+from openpack.rl.episodes import Rollouts, Units
 from openpack.rl.settings import RLSettings
 from openpack.trainers.batching import MicroBatcher
 
@@ -26,9 +26,9 @@ def response_values(batch, per_token: torch.Tensor) -> torch.Tensor:
     return per_token.reshape(-1)[batch.loss_mask.reshape(-1).to(per_token.device)]
 
 
-def per_sample(batch, values: torch.Tensor, lengths: list[int]) -> dict[int, torch.Tensor]:
-    """Split [N] completion-token values of a batch back into one tensor per sample (by the segment table)."""
-    ids = batch.sample_index.tolist()
+def per_completion(ids: list[int], values: torch.Tensor, lengths: list[int]) -> dict[int, torch.Tensor]:
+    """Split [N] completion-token values of a batch of the completions ``ids`` (in batch order) back into one tensor
+    per completion."""
     return dict(zip(ids, values.detach().cpu().split([lengths[k] for k in ids])))
 
 
@@ -45,18 +45,21 @@ def response_segment_ids(ids: list[int], lengths: list[int], device) -> torch.Te
 
 
 @torch.no_grad()
-def score_share(rollouts: Rollouts, scorers: dict, max_tokens: int, dist: DistInfo) -> dict[str, dict]:
+def score_share(units: Units, scorers: dict, max_tokens: int, dist: DistInfo) -> dict[str, dict]:
     """Per-token log-probs of every completion under each scorer (``name -> engine``), this rank scoring its share
-    of one packed pass, then gathered: ``{name: {sample: [len] tensor}}`` on every rank."""
+    of one packed pass over the batch's units, then gathered: ``{name: {completion: [len] tensor}}`` on every
+    rank."""
     if not scorers:
         return {}
-    lengths = rollouts.response_lengths()
-    share = plan_scoring(rollouts.lengths(), dist.world_size, max_tokens)[dist.rank]
+    lengths = units.rollouts.response_lengths()
+    every = units.add(range(len(lengths)))
+    share = plan_scoring([units.lengths[u] for u in every], dist.world_size, max_tokens)[dist.rank]
+    share = [[every[i] for i in micro_batch] for micro_batch in share]
     mine: dict[str, dict] = {name: {} for name in scorers}
-    for batch in MicroBatcher(rollouts.segments, packing_samples=True).collate(share):
-        batch = batch.to(dist.device)
+    for ids, batch in zip(share, MicroBatcher(units.segments, packing_samples=True).collate(share)):
+        batch, completions = batch.to(dist.device), units.completions(ids)
         for name, scorer in scorers.items():
-            mine[name].update(per_sample(batch, response_values(batch, scorer(batch)), lengths))
+            mine[name].update(per_completion(completions, response_values(batch, scorer(batch)), lengths))
     merged: dict[str, dict] = {name: {} for name in scorers}
     for part in all_gather_objects(mine):
         for name in scorers:
@@ -89,10 +92,11 @@ def advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, ref: 
 
 @dataclass
 class StepParts:
-    """What one update step uses: the engine, the batcher over the rollouts, and per-sample tensors."""
+    """What one update step uses: the engine, the batcher over the batch's units, and per-completion tensors."""
 
     engine: object
     batcher: MicroBatcher
+    units: Units
     lengths: list[int]
     advantages: list[torch.Tensor]
     behaviour: list[torch.Tensor]

@@ -8,15 +8,16 @@ one host sync for every step's metrics together.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from openpack.core.advantages import kl
 from openpack.core.rl_losses import policy_terms, token_weights, value_terms
-from openpack.core.schedule import Batching, RankStep, plan_run
+from openpack.core.schedule import Batching, RankStep, plan_run, plan_step
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo
-from openpack.rl.episodes import Rollouts
+from openpack.rl.episodes import Rollouts, Units
 from openpack.rl.experience import (StepParts, advantages, in_batch_order, response_segment_ids, response_values,
                                     score_share)
 from openpack.rl.settings import RLSettings
@@ -55,6 +56,7 @@ def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInf
     ``step.samples``: its completions), so each micro-batch's part needs no communication.
     """
     def loss_and_stats(batch, ids):
+        ids = parts.units.completions(ids)
         entropy = torch.empty(batch.labels.numel(), device=dist.device)
         logp = response_values(batch, parts.engine(batch, entropy=entropy))
         entropy = response_values(batch, entropy)
@@ -84,6 +86,7 @@ def critic_update(parts: StepParts, step: RankStep, settings: RLSettings, dist: 
     """One optimizer step of the critic over the same planned micro-batches: the clipped value loss, weighed per
     token over the step's completion tokens (as OpenRLHF's critic averages over tokens)."""
     def loss_and_stats(batch, ids):
+        ids = parts.units.completions(ids)
         values = response_values(batch, parts.critic(batch))
         terms = value_terms(values, in_batch_order(ids, parts.values, dist.device),
                             in_batch_order(ids, parts.returns, dist.device), settings.value_clip)
@@ -98,14 +101,34 @@ def critic_update(parts: StepParts, step: RankStep, settings: RLSettings, dist: 
                             ("clipped", "values", "tokens"), finish, "critic_grad_norm")
 
 
-def plan_updates(rollouts: Rollouts, train_cfg, settings: RLSettings, world_size: int, seed: int) -> list[list[RankStep]]:
+def plan_updates(rollouts: Rollouts, units: Units, train_cfg, world_size: int, seed: int) -> list[list[RankStep]]:
     """The optimizer steps over this rollout batch (``--train_batch_size`` completions each, ``--max_epochs`` passes),
-    packed by the same planner as SFT and DPO: ``[rank][step]``."""
+    packed by the same planner as SFT and DPO: ``[rank][step]``. Under ``--prefix_sharing`` each step trains the
+    same completions as without it, laid out in shared units (``_shared_steps``); micro-batches list unit ids."""
     lengths = rollouts.lengths()
     labels = [(n,) for n in rollouts.response_lengths()]
     batching = (Batching(max_tokens=train_cfg.max_tokens_per_gpu) if train_cfg.packing_samples
                 and train_cfg.use_dynamic_batch else Batching(micro_batch_size=train_cfg.micro_train_batch_size))
-    return plan_run(lengths, labels, world_size, batching, train_cfg.train_batch_size, train_cfg.max_epochs, None, seed)
+    plan = plan_run(lengths, labels, world_size, batching, train_cfg.train_batch_size, train_cfg.max_epochs, None,
+                    seed)
+    if not units.shared:  # unit k is completion k: the plan's ids stand as they are
+        return plan
+    return _shared_steps(plan, units, world_size, batching.max_tokens)
+
+
+def _shared_steps(plan: list[list[RankStep]], units: Units, world_size: int, max_tokens: int) -> list[list[RankStep]]:
+    """Each planned step's completions (over every rank) laid out as shared units and packed again: the same
+    samples, label counts and digest, fewer tokens."""
+    ranks: list[list[RankStep]] = [[] for _ in range(world_size)]
+    for steps in zip(*plan):
+        completions = [k for step in steps for micro_batch in step.micro_batches for k in micro_batch]
+        unit_ids = units.add(completions)
+        packed = plan_step(unit_ids, units.lengths, world_size, max_tokens=max_tokens)
+        rows = sum(len(mbs) for mbs in packed.rank_micro_batches)
+        for rank, micro_batches in enumerate(packed.rank_micro_batches):
+            ranks[rank].append(replace(steps[rank], micro_batches=micro_batches, rows=rows,
+                                       real_tokens=packed.real_tokens(units.lengths)))
+    return ranks
 
 
 def train_on(rollouts: Rollouts, engine, scorers: dict, settings: RLSettings, train_cfg, dist: DistInfo,
@@ -114,15 +137,16 @@ def train_on(rollouts: Rollouts, engine, scorers: dict, settings: RLSettings, tr
     ``critic``: the critic's engine (GAE; also in ``scorers`` as ``values``); ``train_actor`` False: only the
     critic learns (``--freezing_actor_steps``)."""
     start = time.perf_counter()
-    scored = score_share(rollouts, scorers, train_cfg.max_tokens_per_gpu, dist)
+    units = Units(rollouts, train_cfg.prefix_sharing, settings.n_samples_per_prompt, train_cfg.max_tokens_per_gpu)
+    scored = score_share(units, scorers, train_cfg.max_tokens_per_gpu, dist)
     old, ref, values = scored.get("old"), scored.get("ref"), scored.get("values")
     per_token, returns = advantages(rollouts, settings, old, ref, values)
     lengths = rollouts.response_lengths()
-    parts = StepParts(engine, MicroBatcher(rollouts.segments, train_cfg.packing_samples, pad_token_id), lengths,
+    parts = StepParts(engine, MicroBatcher(units.segments, train_cfg.packing_samples, pad_token_id), units, lengths,
                       per_token, [torch.tensor(b) for b in rollouts.behaviour], old, ref, critic, values, returns)
     experience_s = time.perf_counter() - start
     start = time.perf_counter()
-    steps = plan_updates(rollouts, train_cfg, settings, dist.world_size, seed)[dist.rank]
+    steps = plan_updates(rollouts, units, train_cfg, dist.world_size, seed)[dist.rank]
     pending = []
     for step in steps:
         if critic is not None:
@@ -144,6 +168,12 @@ def train_on(rollouts: Rollouts, engine, scorers: dict, settings: RLSettings, tr
                     else 0.0, "optimizer_steps": len(steps)})
     if returns is not None:
         metrics["returns"] = torch.cat(returns).mean().item()
+    if units.shared:  # what the shared layout computed, against prompt + completion for every completion
+        unshared = sum(sum(rollouts.lengths()[k]) for step in steps for mb in step.micro_batches
+                       for k in units.completions(mb))
+        metrics["prefix_sharing/token_ratio"] = sum(sum(units.lengths[u]) for step in steps
+                                                    for mb in step.micro_batches for u in mb) / max(unshared, 1)
+        metrics["prefix_sharing/split_groups"] = float(units.split_groups)
     if ref is not None and old is not None:
         metrics["kl"] = torch.cat([kl(old[k], ref[k], settings.policy.kl_estimator)
                                    for k in range(len(lengths))]).mean().item()

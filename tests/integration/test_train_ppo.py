@@ -29,6 +29,11 @@ LAYOUTS = {
     "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96"],
     "padded_8x1": ["--micro_train_batch_size", "1"],
     "padded_1x8": ["--micro_train_batch_size", "8"],
+    # prompt | completion | ... per group in every pass; at 40 tokens (the longest prompt + completion) most groups
+    # are split into units with a copy of the prompt each
+    "prefix_shared": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96", "--prefix_sharing"],
+    "prefix_shared_split": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "40",
+                            "--prefix_sharing"],
 }
 AGGREGATIONS = {  # each with the KL where its method puts it
     "token_mean": [],
@@ -51,12 +56,16 @@ def reference_runs(tmp_path_factory, rl_model):
 
 
 @pytest.mark.parametrize("mode", list(AGGREGATIONS))
-@pytest.mark.parametrize("layout", ["padded_8x1", "padded_1x8"])
+@pytest.mark.parametrize("layout", ["padded_8x1", "padded_1x8", "prefix_shared", "prefix_shared_split"])
 def test_layouts_give_the_same_steps(layout, mode, reference_runs, tmp_path, rl_model):
-    if layout == "padded_1x8" and mode != "token_mean":
-        pytest.skip("one aggregation is enough for the second padded layout")
+    if layout in ("padded_1x8", "prefix_shared_split") and mode != "token_mean":
+        pytest.skip("one aggregation is enough for this layout")
     run = grpo(tmp_path / layout, rl_model, "--loss_agg_mode", mode, *AGGREGATIONS[mode], *LAYOUTS[layout])
     assert_same_run(run, reference_runs[mode])
+    if layout.startswith("prefix_shared"):  # the prompts really were computed fewer times
+        for m in read_metrics(run):
+            assert m["prefix_sharing/token_ratio"] < 0.9, m
+            assert (m["prefix_sharing/split_groups"] > 0) == (layout == "prefix_shared_split"), m
 
 
 def test_metrics_are_named_as_peers_name_them(reference_runs):
