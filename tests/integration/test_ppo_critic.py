@@ -33,6 +33,7 @@ LAYOUTS = {
     "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96"],
     "padded_8x1": ["--micro_train_batch_size", "1"],
     "padded_1x8": ["--micro_train_batch_size", "8"],
+    "prefix_shared": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96", "--prefix_sharing"],
 }
 
 
@@ -94,3 +95,41 @@ def test_two_ranks_equal_one_rank(reference_run, tmp_path, ppo_models):
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_run(tmp_path / "two", reference_run)
     assert_same_critic(tmp_path / "two", reference_run)
+
+
+# Adam's epsilon for the prefix-sharing comparisons. With the prompt computed once its gradients are summed in
+# another order, and transformers' RMSNorm computes in fp32, so the critic's fp32 gradients differ from the
+# unshared run's in rounding (with the norm in float64 the two layouts agree to 1e-15: test_rl_prefix_sharing.py).
+# Adam normalises each weight's gradient, so rounding in a tiny gradient becomes a visible change in the update:
+# after one rollout batch (4 critic steps at lr 5e-3) one critic weight ended 1.11e-5 from the unshared run's at
+# eps 1e-6, and 6.7e-6 at eps 1e-4 (the padded layouts above, at 1e-6 over two batches: 4-7e-6).
+SHARING_EPS = ["--adam_epsilon", "1e-4"]
+
+
+@pytest.fixture(scope="module")
+def one_batch_run(tmp_path_factory, ppo_models):
+    """The reference layout for one rollout batch (4 policy and 4 critic updates)."""
+    return ppo(tmp_path_factory.mktemp("ppo_one_batch"), ppo_models, *LAYOUTS["packed_dynamic"], "--max_steps", "1",
+               *SHARING_EPS)
+
+
+def test_prefix_sharing_gives_the_same_actor_and_critic(one_batch_run, tmp_path, ppo_models):
+    """--prefix_sharing: the critic's values read at each label's source, the reference and old-policy passes over
+    shared units, equal the unshared run (with ``SHARING_EPS``)."""
+    run = ppo(tmp_path / "shared", ppo_models, *LAYOUTS["prefix_shared"], "--max_steps", "1", *SHARING_EPS)
+    assert_same_run(run, one_batch_run)
+    assert_same_critic(run, one_batch_run)
+    (metrics,) = read_metrics(run)
+    assert metrics["prefix_sharing/token_ratio"] < 0.9
+
+
+@pytest.mark.slow
+def test_two_ranks_with_prefix_sharing_equal_one_unshared_rank(one_batch_run, tmp_path, ppo_models):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "openpack.cli.main", "train_ppo", *ppo_argv(tmp_path / "two", ppo_models, *LAYOUTS["prefix_shared"],
+                                                                  "--max_steps", "1", *SHARING_EPS)]
+    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=HANG_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_run(tmp_path / "two", one_batch_run)
+    assert_same_critic(tmp_path / "two", one_batch_run)
