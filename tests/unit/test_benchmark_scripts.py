@@ -147,3 +147,14 @@ def test_prefix_sharing_smoke(tmp_path):
     for ratio in ("time_reduction", "lora_rss_ratio", "lora_time_ratio"):
         assert len(summary[ratio]) == 1
     assert "prefix_sharing+lora" in text and "issue's target" in text
+
+
+@pytest.mark.slow
+def test_rl_prefix_sharing_smoke():
+    """benchmarks/rl_prefix_sharing.py --smoke: both arms run one pass, and sharing computes fewer tokens."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "rl_prefix_sharing.py"), "--smoke"], capture_output=True,
+                            text=True, timeout=HANG_S, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): int(line.split("|")[2]) for line in result.stdout.splitlines()
+            if line.startswith("| unshared") or line.startswith("| prefix_sharing")}
+    assert rows["prefix_sharing"] < rows["unshared"]

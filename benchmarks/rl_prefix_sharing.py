@@ -1,0 +1,95 @@
+"""RL --prefix_sharing on CPU: one training-side policy pass (forward + backward of the token log-probs) over a
+rollout batch, prompt + completion per completion vs prompt | completion | ... per group, side by side.
+
+    python benchmarks/rl_prefix_sharing.py                 # long prompts: 384 tokens, completions <= 64, n = 8
+    python benchmarks/rl_prefix_sharing.py --smoke         # seconds: a tiny model and batch (CI)
+
+The model is grpo_vs_trl.py's random 9.8M Llama (fp32, random init), the batch is random token ids: 4 prompts of
+384 tokens x 8 completions of 16-64 tokens, packed into rows of at most --max_tokens. Each arm runs --repeats
+timed passes after one warm-up, alternating arms; reported per arm: tokens computed, median seconds per pass, and
+the two ratios. The pass is what every training-side pass (update, old policy, reference, critic) costs; the
+step's other parts (generation, optimizer) are not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from openpack.core.batch import collate_packed
+from openpack.core.schedule import plan_scoring
+from openpack.models.packed import PackedCausalLM
+from openpack.models.tiny import tiny_causal_lm
+from openpack.rl.episodes import Rollouts, Units
+from openpack.rl.experience import response_values
+
+
+def batch_of(prompts: int, n: int, prompt_len: int, completion_range: tuple[int, int], vocab: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    prompt_tokens, completions = [], []
+    for _ in range(prompts):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=generator).tolist()
+        for _ in range(n):
+            length = int(torch.randint(completion_range[0], completion_range[1] + 1, (1,), generator=generator))
+            prompt_tokens.append(prompt)
+            completions.append(torch.randint(3, vocab, (length,), generator=generator).tolist())
+    return Rollouts(prompt_tokens, completions, [[0.0] * len(c) for c in completions], [True] * len(completions))
+
+
+def one_pass(module, rows) -> None:
+    module.zero_grad(set_to_none=True)
+    for batch in rows:
+        response_values(batch, module(batch)).sum().backward()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max_tokens", type=int, default=16384)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.smoke:
+        shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2)
+        prompts, n, prompt_len, completion_range, repeats = 2, 4, 24, (2, 6), 1
+    else:
+        shape = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
+                     num_key_value_heads=2)
+        prompts, n, prompt_len, completion_range, repeats = 4, 8, 384, (16, 64), args.repeats
+    model = tiny_causal_lm("llama", vocab_size=64, max_position_embeddings=1024, **shape)
+    module = PackedCausalLM(model)
+    rollouts = batch_of(prompts, n, prompt_len, completion_range, 64, seed=0)
+    arms = {}
+    for name, shared in (("unshared", False), ("prefix_sharing", True)):
+        units = Units(rollouts, shared, n, args.max_tokens)
+        ids = units.add(range(len(rollouts.completion_tokens)))
+        (rows,) = plan_scoring([units.lengths[u] for u in ids], 1, args.max_tokens)
+        batches = [collate_packed([s for u in (ids[i] for i in row) for s in units.segments(u)]) for row in rows]
+        arms[name] = {"rows": batches, "tokens": sum(b.num_tokens for b in batches), "times": []}
+    for arm in arms.values():
+        one_pass(module, arm["rows"])  # warm-up
+    for _ in range(repeats):
+        for arm in arms.values():
+            start = time.perf_counter()
+            one_pass(module, arm["rows"])
+            arm["times"].append(time.perf_counter() - start)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: Llama {shape['num_hidden_layers']} layers, width {shape['hidden_size']}, {params / 1e6:.1f}M "
+          f"parameters, fp32, {torch.get_num_threads()} threads; batch: {prompts} prompts of {prompt_len} tokens x "
+          f"{n} completions of {completion_range[0]}-{completion_range[1]} tokens; rows <= {args.max_tokens} tokens; "
+          f"{repeats} timed passes per arm (median)")
+    print("| arm | tokens computed | rows | s / pass (fwd + bwd) |")
+    print("|---|---:|---:|---:|")
+    for name, arm in arms.items():
+        print(f"| {name} | {arm['tokens']} | {len(arm['rows'])} | {statistics.median(arm['times']):.3f} |")
+    plain, shared = arms["unshared"], arms["prefix_sharing"]
+    print(f"prefix sharing: {shared['tokens'] / plain['tokens']:.2f}x the tokens, "
+          f"{statistics.median(shared['times']) / statistics.median(plain['times']):.2f}x the time per pass")
+
+
+if __name__ == "__main__":
+    main()
