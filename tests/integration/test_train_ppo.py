@@ -152,6 +152,7 @@ def test_a_vllm_run_prints_only_what_a_user_acts_on(vllm_run):
     (["--rollout_backend", "hf", "--vllm_is_correction_cap", "2"], "drop it"),
     (["--rollout_backend", "hf", "--zero_stage", "3", "--launcher", "ray", "--num_gpus_per_node", "2"],
      "use --rollout_backend vllm, or --zero_stage 2"),
+    (["--prefix_sharing"], "add --packing_samples --use_dynamic_batch, or drop --prefix_sharing"),
 ])
 def test_bad_flags_are_named(flags, message, rl_model, tmp_path, capsys):
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
