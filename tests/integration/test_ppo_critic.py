@@ -85,18 +85,6 @@ def test_resumed_run_equals_the_uninterrupted_one(reference_run, tmp_path, ppo_m
     assert_same_critic(tmp_path / "cut", reference_run)
 
 
-@pytest.mark.slow
-def test_two_ranks_equal_one_rank(reference_run, tmp_path, ppo_models):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "openpack.cli.main", "train_ppo", *ppo_argv(tmp_path / "two", ppo_models,
-                                                                  *LAYOUTS["packed_dynamic"])]
-    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                            timeout=HANG_S)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert_same_run(tmp_path / "two", reference_run)
-    assert_same_critic(tmp_path / "two", reference_run)
-
-
 # Adam's epsilon for the prefix-sharing comparisons. With the prompt computed once its gradients are summed in
 # another order, and transformers' RMSNorm computes in fp32, so the critic's fp32 gradients differ from the
 # unshared run's in rounding (with the norm in float64 the two layouts agree to 1e-15: test_rl_prefix_sharing.py).
