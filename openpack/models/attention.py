@@ -231,9 +231,14 @@ def _sdpa_cross(q, k, v, cu_q, cu_k, _max_q, _max_k, scale, dropout, window, gro
     for queries, keys in torch.stack([q_lengths, k_lengths], 1).unique(dim=0).tolist():
         same = (q_lengths == queries) & (k_lengths == keys)
         q_index = q_starts[same][:, None] + torch.arange(queries, device=q.device)  # [n, queries]
-        k_index = k_starts[same][:, None] + torch.arange(keys, device=q.device)  # [n, keys]
-        qs = q[q_index].transpose(1, 2)  # [n, H, queries, D]
-        ks, vs = (x[k_index].transpose(1, 2) for x in (k, v))
+        if q_index.shape[0] == 1:  # a shape of its own: slices, no gather (and no scatter in the backward)
+            q0, k0 = int(q_index[0, 0]), int(k_starts[same][0])
+            qs = q[q0:q0 + queries][None].transpose(1, 2)
+            ks, vs = (x[k0:k0 + keys][None].transpose(1, 2) for x in (k, v))
+        else:
+            k_index = k_starts[same][:, None] + torch.arange(keys, device=q.device)  # [n, keys]
+            qs = q[q_index].transpose(1, 2)  # [n, H, queries, D]
+            ks, vs = (x[k_index].transpose(1, 2) for x in (k, v))
         mask = _bottom_right_mask(queries, keys, window, q.device)
         attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scale,
                                                   enable_gqa=groups > 1)
