@@ -65,7 +65,7 @@ class RLTrainConfig(TrainConfig):
     lr_scheduler: str = arg("constant", "schedule after warmup", choices=["cosine", "linear", "constant"])
     prefix_sharing: bool = arg(False, "lay each prompt's completions out as one group prompt | completion | ... in "
                                "every training-side pass (policy, old policy, reference, critic), the prompt "
-                               "computed once; steps then take whole groups (docs/rl.md, Prefix sharing)")
+                               "computed once; the steps train the same completions as without it (docs/rl.md, Prefix sharing)")
 
 
 @dataclass
@@ -246,9 +246,6 @@ def check_rl(cfg: PPORunConfig) -> None:
     if train_cfg.prefix_sharing and not (train_cfg.packing_samples and train_cfg.use_dynamic_batch):
         raise ConfigError("--prefix_sharing lays each prompt's completions out in one packed row under the token cap: "
                           "add --packing_samples --use_dynamic_batch, or drop --prefix_sharing")
-    if train_cfg.prefix_sharing and train_cfg.train_batch_size % n:
-        raise ConfigError(f"--prefix_sharing trains whole groups: --train_batch_size {train_cfg.train_batch_size} "
-                          f"must be a multiple of --n_samples_per_prompt {n}")
     world = planned_world_size(launch_cfg)
     if not (train_cfg.packing_samples and train_cfg.use_dynamic_batch) and \
             train_cfg.train_batch_size % (train_cfg.micro_train_batch_size * world):

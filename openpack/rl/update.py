@@ -168,11 +168,10 @@ def train_on(rollouts: Rollouts, engine, scorers: dict, settings: RLSettings, tr
                     else 0.0, "optimizer_steps": len(steps)})
     if returns is not None:
         metrics["returns"] = torch.cat(returns).mean().item()
-    if units.shared:  # what the shared layout computed, against prompt + completion for every completion
-        unshared = sum(sum(rollouts.lengths()[k]) for step in steps for mb in step.micro_batches
-                       for k in units.completions(mb))
-        metrics["prefix_sharing/token_ratio"] = sum(sum(units.lengths[u]) for step in steps
-                                                    for mb in step.micro_batches for u in mb) / max(unshared, 1)
+    if units.shared:  # this rank's tokens in the shared layout, against prompt + completion for each completion
+        mine = [u for step in steps for mb in step.micro_batches for u in mb]
+        unshared = sum(len(rollouts.prompt_tokens[k]) + lengths[k] for k in units.completions(mine))
+        metrics["prefix_sharing/token_ratio"] = sum(sum(units.lengths[u]) for u in mine) / max(unshared, 1)
         metrics["prefix_sharing/split_groups"] = float(units.split_groups)
     if ref is not None and old is not None:
         metrics["kl"] = torch.cat([kl(old[k], ref[k], settings.policy.kl_estimator)
