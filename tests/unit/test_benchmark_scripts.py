@@ -158,3 +158,13 @@ def test_rl_prefix_sharing_smoke():
     rows = {line.split("|")[1].strip(): int(line.split("|")[2]) for line in result.stdout.splitlines()
             if line.startswith("| unshared") or line.startswith("| prefix_sharing")}
     assert rows["prefix_sharing"] < rows["unshared"]
+
+
+def test_cpu_attention_smoke():
+    """benchmarks/cpu_attention.py --smoke: the padded arm's outputs match the per-length path's (the script exits
+    1 when any arm differs by more than 1e-4), plain and prefix-shared rows, forward and backward."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "cpu_attention.py"), "--smoke", "--no_flex"],
+                            capture_output=True, text=True, timeout=HANG_S, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    passes = [line.split("|")[4].strip() for line in result.stdout.splitlines() if line.startswith("| smoke")]
+    assert passes == ["fwd", "fwd + bwd"] * 2
