@@ -10,15 +10,16 @@ into group-normalised advantages, and take one optimizer step over all
 saved model, the same prompts, ``n``, max completion length, temperature 1.0,
 lr, beta 0 (no KL term, so no reference model on either side) and
 completions per optimizer step. Each run is a fresh subprocess; runs
-alternate openpack, openpack small rows, TRL, openpack... and all use one
-torch thread (on 2 cores shared with other work, two intra-op threads measure
-the neighbours' stalls, not the frameworks: see rm_vs_trl.py).
+alternate over the arms and all use one torch thread (on 2 cores shared
+with other work, two intra-op threads measure the neighbours' stalls, not
+the frameworks: see rm_vs_trl.py).
 
-Three arms: ``openpack`` with its default ``--max_tokens_per_gpu 16384``
-(a whole step's completions in one packed row: fewest forwards, most
-activation memory), ``openpack small rows`` with rows no longer than one of
-TRL's padded micro-batches can be (8 x (prompt + max completion) tokens, so
-memory per forward is alike), and ``TRL`` with its default micro-batch of 8.
+Four arms: ``openpack`` with its default row cap (no ``--max_tokens_per_gpu``:
+the cap is derived from the model's size and logged, see docs/rl.md),
+``openpack one row`` with ``--max_tokens_per_gpu 16384`` (the default before:
+a whole step's completions in one packed row, fewest forwards, most activation
+memory), ``openpack --prefix_sharing`` (the default cap, each prompt computed
+once per group), and ``TRL`` with its default micro-batch of 8.
 
 Two models, because one alone would mislead:
 
@@ -65,6 +66,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -74,8 +76,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
 from harness import ModelSpec
 
-SMALL_ROWS = "openpack small rows"
-OPENPACK_ARMS = ("openpack", SMALL_ROWS)
+ONE_ROW = "openpack one row"
+SHARED = "openpack --prefix_sharing"
+OPENPACK_ARMS = ("openpack", ONE_ROW, SHARED)
 ARMS = (*OPENPACK_ARMS, "TRL")
 PROMPT_TOKENS = 6  # every demo prompt, "07+46=", one token per character
 SECTION = "grpo_vs_trl"
@@ -246,13 +249,8 @@ def random_model_parameters(spec: ModelSpec) -> int:
     return 2 * spec.vocab_size * h + spec.num_hidden_layers * (spec._layer_params() + 2 * h) + h
 
 
-def small_rows_cap(args) -> int:
-    """Rows no longer than one of TRL's padded micro-batches can be: 8 x (prompt + max completion) slots."""
-    return TRL_MICRO_BATCH * (PROMPT_TOKENS + args.max_completion)
-
-
-def openpack_command(args, setup: dict, model: str, save_path: Path, cap: int | None = None) -> list[str]:
-    cap = cap or OPENPACK_MAX_TOKENS
+def openpack_command(args, setup: dict, model: str, save_path: Path, extra: tuple = ()) -> list[str]:
+    """The arm's ``train_grpo``: its default row cap unless ``extra`` holds one."""
     return [
         "-m", "openpack.cli.main", "train_grpo", "--launcher", "local",
         "--pretrain", str(setup["models"][model]), "--prompt_data", str(setup["data"]),
@@ -260,7 +258,7 @@ def openpack_command(args, setup: dict, model: str, save_path: Path, cap: int | 
         "--rollout_batch_size", str(args.prompts_per_step), "--n_samples_per_prompt", str(args.n),
         "--generate_max_len", str(args.max_completion), "--prompt_max_len", "16",
         "--train_batch_size", str(args.prompts_per_step * args.n), "--micro_train_batch_size", "1",
-        "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", str(cap),
+        "--packing_samples", "--use_dynamic_batch", *extra,
         "--rollout_backend", "hf", "--micro_rollout_batch_size", str(args.prompts_per_step), "--num_episodes", "1",
         "--max_samples", str(args.prompts_per_step * args.steps),
         "--temperature", "1.0", "--learning_rate", str(args.learning_rate), "--lr_scheduler", "constant",
@@ -269,15 +267,27 @@ def openpack_command(args, setup: dict, model: str, save_path: Path, cap: int | 
     ]
 
 
-OPENPACK_MAX_TOKENS = 16384  # openpack's default: a step's 128 completions of <= 38 tokens fit one packed row
+ONE_ROW_TOKENS = 16384  # openpack's fixed default before the automatic cap: a whole step in one packed row
+ARM_FLAGS = {"openpack": (), ONE_ROW: ("--max_tokens_per_gpu", str(ONE_ROW_TOKENS)), SHARED: ("--prefix_sharing",)}
 
 
-def run_openpack(args, setup: dict, model: str, run_dir: Path, env: dict, cap: int) -> dict:
-    measured = harness.run_measured(openpack_command(args, setup, model, run_dir, cap), run_dir.with_suffix(".log"),
-                                    env)
+def run_openpack(args, setup: dict, model: str, run_dir: Path, env: dict, arm: str) -> dict:
+    log = run_dir.with_suffix(".log")
+    measured = harness.run_measured(openpack_command(args, setup, model, run_dir, ARM_FLAGS[arm]), log, env)
     harness.check_run(measured, "openpack train_grpo")
     steps = [openpack_step(s) for s in harness.read_jsonl(run_dir / "metrics.jsonl") if "time/training" in s]
-    return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s}
+    return {"steps": steps, "peak_rss_mb": measured.peak_rss_mb, "wall_s": measured.wall_s,
+            "row_cap": row_cap(log.read_text(errors="replace"), arm)}
+
+
+def row_cap(log: str, arm: str) -> int:
+    """The row cap the run used: the flag's, or the automatic one its log states."""
+    if ARM_FLAGS[arm][:1] == ("--max_tokens_per_gpu",):
+        return int(ARM_FLAGS[arm][1])
+    match = re.search(r"packed rows of at most (\d+) tokens", log)
+    if match is None:
+        raise RuntimeError(f"{arm}: the run's log states no automatic row cap")
+    return int(match.group(1))
 
 
 def openpack_step(metrics: dict) -> dict:
@@ -305,10 +315,9 @@ def run_all(args, setup: dict, work: Path) -> dict[str, list[dict]]:
     for model in setup["models"]:
         print(f"model {model}: {model_description(model, args)}", flush=True)
         runs[model] = harness.run_interleaved({
-            "openpack": lambda repeat, m=model: run_openpack(args, setup, m, work / f"{m}_openpack_{repeat}", env,
-                                                             OPENPACK_MAX_TOKENS),
-            SMALL_ROWS: lambda repeat, m=model: run_openpack(args, setup, m, work / f"{m}_openpack_small_{repeat}",
-                                                             env, small_rows_cap(args)),
+            **{arm: lambda repeat, m=model, arm=arm, i=i: run_openpack(args, setup, m, work / f"{m}_openpack{i}_{repeat}",
+                                                                       env, arm)
+               for i, arm in enumerate(OPENPACK_ARMS)},
             "TRL": lambda repeat, m=model: run_trl(args, setup, m, work / f"{m}_trl_{repeat}", env),
         }, args.repeats)
     return runs
@@ -327,6 +336,8 @@ def per_run(run: dict) -> dict:
     result["completion_mean"] = statistics.fmean(s["completion_mean"] for s in measured)
     result["peak_rss_mb"] = run["peak_rss_mb"]
     result["wall_s"] = run["wall_s"]  # the whole process: start-up, every step, saving
+    if "row_cap" in run:
+        result["row_cap"] = run["row_cap"]
     return result
 
 
@@ -342,7 +353,8 @@ def summarise(runs: list[dict]) -> dict:
               for arm in OPENPACK_ARMS}
     trl = [s for r in runs if r["arm"] == "TRL" for s in r["steps"][1:]]
     padded = sum(s["slots"] for s in trl) / sum(s["tokens"] for s in trl) if trl else float("nan")
-    return {"values": values, "ratios": ratios, "trl_computed_per_real": padded}
+    caps = {arm: sorted({s["row_cap"] for s in stats[arm]}) for arm in OPENPACK_ARMS}
+    return {"values": values, "ratios": ratios, "trl_computed_per_real": padded, "row_caps": caps}
 
 
 LABELS = {"step_time_s": "s / step", "generation_s": "generation s", "experience_s": "experience s",
@@ -368,6 +380,10 @@ def results_table(summaries: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def row_caps_text(summaries: dict, arm: str) -> str:
+    return ", ".join(f"{'/'.join(map(str, s['row_caps'][arm]))} ({m})" for m, s in summaries.items())
+
+
 def setup_text(args, setup: dict, summaries: dict) -> str:
     models = "; ".join(f"`{m}`: {model_description(m, args)}" for m in setup["models"])
     padded = ", ".join(f"{s['trl_computed_per_real']:.2f}x ({m})" for m, s in summaries.items())
@@ -382,11 +398,12 @@ def setup_text(args, setup: dict, summaries: dict) -> str:
         f"1.0, no gradient checkpointing, {args.threads} torch thread{'s' if args.threads != 1 else ''} per arm, "
         f"{args.steps} steps per run of which the first is warm-up and not counted. openpack: `--rollout_backend hf` "
         f"(transformers generate in "
-        f"the training process), `--packing_samples --use_dynamic_batch --launcher local`, and "
-        f"`--max_tokens_per_gpu {OPENPACK_MAX_TOKENS}` (its default: the whole step is one packed row) in the arm "
-        f"called openpack, `--max_tokens_per_gpu {small_rows_cap(args)}` in `{SMALL_ROWS}` (no row longer than one "
-        f"of TRL's micro-batches can be: {TRL_MICRO_BATCH} x ({PROMPT_TOKENS} + {args.max_completion}) slots, so "
-        f"both hold about the same activations per forward; the runs of the three arms alternate). TRL: "
+        f"the training process), `--packing_samples --use_dynamic_batch --launcher local`; in the arm called "
+        f"openpack no `--max_tokens_per_gpu` (its default: a row cap from the model's size, logged at start: "
+        f"{row_caps_text(summaries, 'openpack')} tokens), in `{ONE_ROW}` `--max_tokens_per_gpu {ONE_ROW_TOKENS}` "
+        f"(the default before that: the whole step in one packed row), in `{SHARED}` the default cap and "
+        f"`--prefix_sharing` (each prompt computed once for its {args.n} completions); the runs of the four arms "
+        f"alternate. TRL: "
         f"`GRPOConfig(use_vllm=False, use_cpu=True, bf16=False, gradient_checkpointing="
         f"False, beta=0.0, num_generations={args.n}, max_completion_length={args.max_completion}, "
         f"per_device_train_batch_size={TRL_MICRO_BATCH}, gradient_accumulation_steps="
@@ -473,32 +490,29 @@ def median_ratio(s: dict, arm: str, key: str) -> float:
 def reading(args, summaries: dict) -> str:
     """What the ratios say; directions are read from this run's medians, causes are stated as not profiled."""
     gen = [r for s in summaries.values() for arm in OPENPACK_ARMS for r in s["ratios"][arm]["generation_s"]]
-    parts = [(f"**Reading it.** Generation is transformers' `generate` in all three arms, and its openpack / TRL "
-              f"ratio spans {min(gen):.2f}x-{max(gen):.2f}x over all repeat pairs and both models (the two openpack "
+    parts = [(f"**Reading it.** Generation is transformers' `generate` in all four arms, and its openpack / TRL "
+              f"ratio spans {min(gen):.2f}x-{max(gen):.2f}x over all repeat pairs and both models (the three openpack "
              "arms run the same generation code, yet differ as much between themselves): no difference shows "
               "through this machine's noise. The experience phase is milliseconds on both sides. Training is where "
               "the arms differ.")]
     for model, s in summaries.items():
         tokens = statistics.median(s["values"]["tokens_per_step"]["openpack"])
-        rows = math.ceil(tokens / small_rows_cap(args))
-        default, small = (median_ratio(s, arm, "training_s") for arm in OPENPACK_ARMS)
+        (cap,) = s["row_caps"]["openpack"][-1:]
+        default, one_row, shared = (median_ratio(s, arm, "training_s") for arm in OPENPACK_ARMS)
         parts.append(
-            f"On `{model}` ({tokens:.0f} real tokens per step) openpack's default puts the whole step in one packed "
-            f"row, one forward and backward against TRL's {args.prompts_per_step * args.n // TRL_MICRO_BATCH} "
-            f"micro-batches: its training takes {default:.2f}x TRL's time, with peak RSS "
-            f"{median_ratio(s, 'openpack', 'peak_rss_mb'):.2f}x TRL's. With rows no longer than TRL's micro-batches "
-            f"(at least {rows} rows per step) training takes {small:.2f}x TRL's time and peak RSS is "
-            f"{median_ratio(s, SMALL_ROWS, 'peak_rss_mb'):.2f}x TRL's.")
+            f"On `{model}` ({tokens:.0f} real tokens per step) openpack's default caps rows at {cap} tokens (at least "
+            f"{math.ceil(tokens / cap)} rows per step, against TRL's {args.prompts_per_step * args.n // TRL_MICRO_BATCH}"
+            f" padded micro-batches): its training takes {default:.2f}x TRL's time and its peak RSS is "
+            f"{median_ratio(s, 'openpack', 'peak_rss_mb'):.2f}x TRL's. The whole step in one row: training "
+            f"{one_row:.2f}x, peak RSS {median_ratio(s, ONE_ROW, 'peak_rss_mb'):.2f}x. With `--prefix_sharing`: "
+            f"training {shared:.2f}x, peak RSS {median_ratio(s, SHARED, 'peak_rss_mb'):.2f}x.")
     parts.append(
-        "openpack's default layout trades memory for fewer forwards: its peak RSS grows with the step's tokens (one "
-        "row holds them all), while TRL's and the small-rows arm's grow with the micro-batch. The small-rows arm "
-        "is the like-for-like one: same activations per forward, and TRL computes the padding shown above where "
-        "openpack does not. Where each side's time goes within a forward at these short lengths was not profiled "
-        "here: candidates are the per-row work of openpack's CPU attention (one "
-        "SDPA call per distinct segment length, with a gather and scatter of the row) and its DeepSpeed engine's "
-        "per-micro-batch bookkeeping, against TRL's single batched SDPA call per padded micro-batch. On a GPU "
-        "with vLLM rollouts the picture differs: generation moves out of both trainers' processes (TRL's "
-        "`use_vllm`, openpack's engines), and the padding and memory terms scale with the model.")
+        "One row per step trades memory for fewer forwards: its peak RSS grows with the step's tokens, while TRL's "
+        "and the default's grow with the micro-batch or row cap. The prompts here are 6 tokens against completions "
+        "of up to " + str(args.max_completion) + ", so prefix sharing has little to save (issue 26's long-prompt "
+        "workload is `rl_prefix_sharing.py`'s). On a GPU with vLLM rollouts the picture differs: generation moves "
+        "out of both trainers' processes (TRL's `use_vllm`, openpack's engines), and the padding and memory terms "
+        "scale with the model.")
     return "\n\n".join(parts)
 
 
@@ -519,8 +533,8 @@ def differences(args) -> str:
   forward (both take the detached log-probs of the training forward as the old ones), so this phase is the
   reward call and the group-normalised advantages on both sides: milliseconds.
 * *Training.* openpack packs the step's completions (prompt + completion, the loss on the completion) into
-  rows of at most {OPENPACK_MAX_TOKENS} tokens (its default; the whole step is one row here) or
-  {small_rows_cap(args)} tokens (`{SMALL_ROWS}`) with per-segment attention, one forward and backward per row,
+  rows of at most the automatic cap (its default), or {ONE_ROW_TOKENS} tokens (`{ONE_ROW}`: the whole step is
+  one row here), with per-segment attention, one forward and backward per row,
   under its DeepSpeed ZeRO-2 engine with torch AdamW. TRL
   runs {completions // TRL_MICRO_BATCH} micro-batches of {TRL_MICRO_BATCH} rows (its default micro-batch),
   each padded to its longest prompt + completion, with a padding mask, through Accelerate with fused torch

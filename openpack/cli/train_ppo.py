@@ -63,6 +63,9 @@ class RLTrainConfig(TrainConfig):
                                above=0)
     lr_warmup_ratio: float = arg(0.0, "share of optimizer steps spent warming up linearly", at_least=0, at_most=1)
     lr_scheduler: str = arg("constant", "schedule after warmup", choices=["cosine", "linear", "constant"])
+    max_tokens_per_gpu: int | None = arg(None, "token cap of a packed row under --use_dynamic_batch", at_least=2,
+                                         special={None: "from the model's size and the device's memory, logged at "
+                                                        "start (docs/rl.md, Row cap)"})
     prefix_sharing: bool = arg(False, "lay each prompt's completions out as one group prompt | completion | ... in "
                                "every training-side pass (policy, old policy, reference, critic), the prompt "
                                "computed once; the steps train the same completions as without it (docs/rl.md, Prefix sharing)")
@@ -254,7 +257,8 @@ def check_rl(cfg: PPORunConfig) -> None:
                           f"a multiple of {train_cfg.micro_train_batch_size * world}, or pass --packing_samples "
                           "--use_dynamic_batch")
     longest = data_cfg.prompt_max_len + rollout_cfg.generate_max_len
-    if train_cfg.packing_samples and train_cfg.use_dynamic_batch and longest > train_cfg.max_tokens_per_gpu:
+    if train_cfg.packing_samples and train_cfg.use_dynamic_batch and train_cfg.max_tokens_per_gpu is not None \
+            and longest > train_cfg.max_tokens_per_gpu:
         raise ConfigError(f"a prompt and its completion can be {longest} tokens (--prompt_max_len + "
                           f"--generate_max_len), more than --max_tokens_per_gpu {train_cfg.max_tokens_per_gpu}; "
                           "raise it or lower those")
@@ -383,8 +387,10 @@ def _reward_specs(cfg: PPORunConfig):
         return None
     from openpack.orchestration.ray_launcher import ScorerGroupSpec
 
-    return [ScorerGroupSpec(build_reward_scorer, (path, train_cfg.max_tokens_per_gpu, model_cfg.bf16), path)
-            for path in rl_cfg.reward_pretrain]
+    from openpack.models.memory import ROW_CAP
+
+    cap = train_cfg.max_tokens_per_gpu or ROW_CAP  # no gradients in a reward actor: no activations kept
+    return [ScorerGroupSpec(build_reward_scorer, (path, cap, model_cfg.bf16), path) for path in rl_cfg.reward_pretrain]
 
 
 def _reference_spec(cfg: PPORunConfig, demo_model):

@@ -56,6 +56,13 @@ class StepMemory:
     def max_tokens(self, budget: int) -> int:
         return max(0, (budget - self.states - self.head - self.logits_cap) // self.per_token)
 
+    def activation_tokens(self, budget: int) -> int:
+        """The most tokens whose activations and logits chunk fit ``budget`` bytes."""
+        tokens = budget // (self.per_token + self.logits_per_token)
+        if tokens * self.logits_per_token > self.logits_cap:  # the logits stopped growing at one chunk
+            tokens = (budget - self.logits_cap) // self.per_token
+        return max(0, tokens)
+
 
 def _widths(config) -> tuple[int, int, int, int, int]:
     """(layers, hidden, MLP width, key/value width, vocab) of a transformers decoder config."""
@@ -89,6 +96,36 @@ def step_memory(config, num_params: int, bf16: bool, gradient_checkpointing: boo
     _, hidden, _, _, vocab = _widths(config)
     return StepMemory(states, activation_numbers_per_token(config, gradient_checkpointing) * width,
                       logits_per_token=2 * vocab * 4, logits_cap=2 * chunk_elements * 4, head=vocab * hidden * 4)
+
+
+ROW_CAP = 16384  # the largest row an automatic cap picks: the offline commands' fixed --max_tokens_per_gpu
+CPU_ROW_FLOOR = 512  # rows shorter than this train measurably slower on CPU (see default_row_cap)
+
+
+def default_row_cap(need: StepMemory, unsharded_states: int, budget: int, cpu: bool, longest: int) -> tuple[int, str]:
+    """RL's ``--max_tokens_per_gpu`` when none is given: (tokens, the bound that set them).
+
+    A GPU's memory is its own: the row is what fits 90% of it after the states (``need``, this rank's share). A
+    CPU shares RAM with everything else, and long rows train no faster there (a 9.8M Llama, forward and backward
+    of one step's 3.9k tokens: 1.62 s in rows of 608 or 1216 tokens, 1.66 s in one row, but 1.86 s in rows of
+    304): the row's activations are held to the size of the model's training states (``unsharded_states``:
+    weights, gradients and AdamW moments on one rank), so they at most double what a step holds, but not below
+    ``CPU_ROW_FLOOR`` tokens. Never more than ``ROW_CAP`` or the budget, never less than ``longest`` (one prompt
+    and completion must fit).
+    """
+    why, cap = f"at most {ROW_CAP}", ROW_CAP
+    if cpu:
+        held = need.activation_tokens(unsharded_states)
+        if held < cap:
+            why, cap = "activations no larger than the model's weights, gradients and optimizer states", held
+        if cap < CPU_ROW_FLOOR:
+            why, cap = f"at least {CPU_ROW_FLOOR} tokens on CPU (activations held to the states: {held})", CPU_ROW_FLOOR
+    fits = need.max_tokens(int(0.9 * budget))
+    if fits < cap:
+        why, cap = "90% of the device's memory", fits
+    if cap < longest:
+        return longest, f"the longest prompt + completion (tighter: {why}, {cap} tokens)"
+    return cap, why
 
 
 def device_memory(device: torch.device, ranks_on_device: int) -> int:

@@ -117,6 +117,8 @@ def memory_advice(sections: tuple) -> str | None:
         return None
     if options["use_dynamic_batch"]:
         cap = options["max_tokens_per_gpu"]
+        if cap is None:  # RL's automatic cap: its value is in the run's first log lines
+            return "pass --max_tokens_per_gpu below the automatic cap the run logged at start (try half of it)"
         return f"lower --max_tokens_per_gpu {cap} (try {cap // 2})"
     if options["micro_train_batch_size"] > 1:
         size = options["micro_train_batch_size"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from dataclasses import replace
 
 from openpack.core.advantages import kl_controller
 from openpack.core.packing import shuffled_epoch
@@ -125,6 +126,8 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
     model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing,
                            load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
     model = apply_lora(model, model_cfg)
+    cfg = with_row_cap(cfg, model, dist)
+    train_cfg = cfg.train
     datasets = prompt_datasets(data_cfg, out_cfg, dist.is_main)
     from openpack.distributed.process import barrier
 
@@ -187,6 +190,23 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
     return 0
 
 
+def with_row_cap(cfg, model, dist):
+    """``cfg`` with ``--max_tokens_per_gpu`` set when packed dynamic batches leave it unset: rank 0's
+    ``default_row_cap`` for the policy (every rank plans with it), logged once."""
+    train_cfg = cfg.train
+    if train_cfg.max_tokens_per_gpu is not None or not (train_cfg.packing_samples and train_cfg.use_dynamic_batch):
+        return cfg
+    from openpack.distributed.process import broadcast_object
+    from openpack.trainers.batching import default_row_cap
+
+    longest = cfg.data.prompt_max_len + cfg.rollout.generate_max_len
+    cap, why = broadcast_object(default_row_cap(model, cfg.model, dist, longest) if dist.is_main else None)
+    if dist.is_main:
+        logger.info("--max_tokens_per_gpu not given: packed rows of at most %d tokens (%s; pass "
+                    "--max_tokens_per_gpu to choose)", cap, why)
+    return replace(cfg, train=replace(train_cfg, max_tokens_per_gpu=cap))
+
+
 def logp_diff_limit(bf16: bool) -> MetricLimit:
     """When ``vllm_logp_diff`` says the sampler is not sampling the trained policy: above 1e-3 in fp32 (runs stay
     at 1e-7 to 1e-5; a tied head that never reached vLLM gave 0.013 to 0.024), above 0.1 in bf16 (its rounding
@@ -212,7 +232,6 @@ def build_rl_reference(cfg, pretrain: str, dist=None):
 def critic_engine(cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):
     """The critic's DeepSpeed engine: --critic_pretrain (default: the first --reward_pretrain, else --pretrain) as a
     value model, trained at --critic_learning_rate on the policy's schedule."""
-    from dataclasses import replace
 
     from openpack.distributed.engine import create_engine
     from openpack.models.reward import HEAD, PackedValueModel, load_reward_model

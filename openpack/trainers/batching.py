@@ -74,6 +74,18 @@ def training_memory(model, model_cfg, world_size: int, gradient_checkpointing: b
                        world_size, model_cfg.adam_offload, frozen)
 
 
+def default_row_cap(model, model_cfg, dist, longest: int) -> tuple[int, str]:
+    """``models.memory.default_row_cap`` for ``model`` as it trains on this rank's device: (tokens, why)."""
+    import os
+
+    from openpack.models import memory
+
+    need = training_memory(model, model_cfg, dist.world_size, model_cfg.gradient_checkpointing)
+    one_rank = training_memory(model, model_cfg, 1, model_cfg.gradient_checkpointing)
+    budget = memory.device_memory(dist.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return memory.default_row_cap(need, one_rank.states, budget, dist.device.type == "cpu", longest)
+
+
 def warn_if_memory_short(model, model_cfg, train_cfg, max_len: int, dist, segments_per_sample: int = 1,
                          frozen_params: int = 0) -> str | None:
     """Before the first step: the warning of ``models.memory`` when a micro-batch's tokens cannot fit this device.

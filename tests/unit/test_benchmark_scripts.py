@@ -120,16 +120,18 @@ def test_grpo_vs_trl_smoke(tmp_path):
     into generation and training; the ratios the docs quote are computed."""
     results, text = run_smoke("grpo_vs_trl.py", tmp_path)
     summary = results["summary"]["random"]
-    arms = ["openpack", "openpack small rows", "TRL"]
+    arms = ["openpack", "openpack one row", "openpack --prefix_sharing", "TRL"]
     for key in ("step_time_s", "generation_s", "training_s", "training_tokens_per_s", "peak_rss_mb"):
         assert_spread(summary["values"][key], arms)
-        for arm in arms[:2]:
+        for arm in arms[:3]:
             assert len(summary["ratios"][arm][key]) == 1 and summary["ratios"][arm][key][0] > 0
     for run in results["runs"]["random"]:
         for step in run["steps"]:  # the phases are parts of the step
             assert step["generation_s"] + step["training_s"] <= step["step_time_s"] * 1.01 + 1e-3, (run["arm"], step)
     assert summary["trl_computed_per_real"] >= 1
-    assert "openpack / TRL" in text and "openpack small rows / TRL" in text and "GRPOTrainer" in text
+    assert "openpack / TRL" in text and "openpack --prefix_sharing / TRL" in text and "GRPOTrainer" in text
+    # the default arm ran with the automatic row cap its log states (the smoke model: the CPU floor)
+    assert summary["row_caps"] == {"openpack": [512], "openpack one row": [16384], "openpack --prefix_sharing": [512]}
 
 
 @pytest.mark.slow

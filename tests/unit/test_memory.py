@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from openpack.core.batch import Segment, collate_packed
-from openpack.models.memory import GIB, activation_numbers_per_token, budget_warning, step_memory
+from openpack.models.memory import CPU_ROW_FLOOR, ROW_CAP, GIB, activation_numbers_per_token, budget_warning, default_row_cap, step_memory
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm, tiny_config
 
@@ -64,6 +64,35 @@ def test_the_issue_case_is_warned_about_with_numbers_and_fixes():
     assert budget_warning(need, 4096, 24 * GIB, "--max_tokens_per_gpu", "this machine's memory") is None
 
 
+def test_rl_default_row_cap_holds_activations_to_the_states_on_cpu_and_to_the_budget_on_a_gpu():
+    """grpo_vs_trl.py's 9.8M Llama on CPU: rows whose activations weigh what the weights, gradients and AdamW states
+    do (~157 MB at ~209 KiB a token: about 750 tokens, not one row of 16384); SmolLM2-135M in bf16 on an 80 GiB GPU:
+    the 16384 ceiling; on a 4 GiB one: what fits 90% of it; and never below one prompt + completion."""
+    config = tiny_config("llama", vocab_size=46, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2)
+    need = step_memory(config, 9_770_000, False, False, zero_stage=2, world_size=1)
+    cap, why = default_row_cap(need, need.states, 24 * GIB, cpu=True, longest=38)
+    assert 700 < cap < 800 and "optimizer states" in why
+    assert cap * need.per_token + cap * need.logits_per_token <= need.states
+    assert (cap + 1) * (need.per_token + need.logits_per_token) > need.states
+    assert default_row_cap(need, need.states, 24 * GIB, cpu=True, longest=1000) == \
+        (1000, f"the longest prompt + completion (tighter: {why}, {cap} tokens)")
+    small = step_memory(tiny_config("llama", vocab_size=46, hidden_size=128, intermediate_size=256,
+                                    num_hidden_layers=3), 460_000, False, False, 2, 1)  # the demo model
+    assert default_row_cap(small, small.states, 24 * GIB, cpu=True, longest=38) == \
+        (CPU_ROW_FLOOR, f"at least {CPU_ROW_FLOOR} tokens on CPU (activations held to the states: "
+                        f"{small.activation_tokens(small.states)})")
+    smol = tiny_config("llama", vocab_size=49152, **SMOLLM2_135M)
+    bf16 = step_memory(smol, 134_515_008, True, False, 2, 1)
+    assert default_row_cap(bf16, bf16.states, 80 * GIB, cpu=False, longest=512) == (ROW_CAP, f"at most {ROW_CAP}")
+    cap, why = default_row_cap(bf16, bf16.states, 4 * GIB, cpu=False, longest=512)
+    assert why == "90% of the device's memory" and bf16.total(cap) <= 0.9 * 4 * GIB < bf16.total(cap + 1)
+    # a vocabulary so large that the logits chunk fills before the row does: tokens past it cost activations only
+    wide = step_memory(tiny_config("llama", vocab_size=2_000_000), 10**9, False, False, 2, 1)
+    tokens = wide.activation_tokens(wide.states)
+    assert tokens * wide.per_token + wide.logits_cap <= wide.states < (tokens + 1) * wide.per_token + wide.logits_cap
+
+
 def test_zero_partitions_the_states_over_ranks():
     config = tiny_config("llama", vocab_size=1000)
     one = step_memory(config, 10**6, False, False, zero_stage=0, world_size=4)
@@ -101,3 +130,17 @@ def test_under_lora_only_the_adapters_and_a_reward_head_get_gradients_and_adam_s
     tiny_causal_lm("llama").save_pretrained(tmp_path)
     reward = apply_lora(load_reward_model(str(tmp_path), pad_token_id=0), cfg, head="score")
     assert training_memory(reward, cfg, 1, False).states == 494080
+
+
+def test_a_memory_kill_under_the_automatic_row_cap_advises_a_flag_not_none():
+    """RL leaves --max_tokens_per_gpu at None (automatic): the Ray launcher's advice after a memory kill must not
+    read "lower --max_tokens_per_gpu None" (nor fail on None // 2)."""
+    from types import SimpleNamespace
+
+    from openpack.orchestration.launch import memory_advice
+
+    auto = SimpleNamespace(max_tokens_per_gpu=None, use_dynamic_batch=True, micro_train_batch_size=1)
+    assert memory_advice((auto,)) == ("pass --max_tokens_per_gpu below the automatic cap the run logged at start "
+                                      "(try half of it)")
+    fixed = SimpleNamespace(max_tokens_per_gpu=4096, use_dynamic_batch=True, micro_train_batch_size=1)
+    assert memory_advice((fixed,)) == "lower --max_tokens_per_gpu 4096 (try 2048)"
