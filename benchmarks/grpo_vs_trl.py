@@ -80,12 +80,16 @@ ONE_ROW = "openpack one row"
 SHARED = "openpack --prefix_sharing"
 OPENPACK_ARMS = ("openpack", ONE_ROW, SHARED)
 ARMS = (*OPENPACK_ARMS, "TRL")
-PROMPT_TOKENS = 6  # every demo prompt, "07+46=", one token per character
 SECTION = "grpo_vs_trl"
+# --workload long: issue 26's long-prompt batch, each demo question after few-shot solved lines ("12+30=42\n")
+LONG = {"prompt_tokens": 384, "max_completion": 64, "prompts_per_step": 8, "section": "grpo_vs_trl_long"}
+SHORT = {"prompt_tokens": 6, "max_completion": 32, "prompts_per_step": 16, "section": SECTION}  # "07+46="
 TRL_MICRO_BATCH = 8  # TRL's default per_device_train_batch_size (checked in the worker)
 DEMO_VOCAB = 46  # the demo tokenizer's size: a random model samples only ids it can decode
 RANDOM_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                          max_position_embeddings=256)
+LONG_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                       max_position_embeddings=512)  # the same 9.8M Llama, positions for 384 + 64 tokens
 SMOKE_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         max_position_embeddings=64)
 PHASES = ("generation_s", "experience_s", "training_s", "step_time_s")
@@ -93,11 +97,18 @@ PHASES = ("generation_s", "experience_s", "training_s", "step_time_s")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="demo,random",
-                        help="comma-separated: demo (the SFT demo model), random (a random-init 9.8M Llama)")
-    parser.add_argument("--prompts_per_step", type=int, default=16, help="prompts per rollout and optimizer step")
+    parser.add_argument("--workload", choices=["short", "long"], default="short",
+                        help="short: the demo task's 6-token prompts, 16 x 8 completions of <= 32 tokens; long: "
+                             "the same questions after few-shot lines, 384-token prompts, 8 x 8 completions of <= 64 "
+                             "tokens, the random 9.8M model only (its own docs section)")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated: demo (the SFT demo model), random (a random-init 9.8M Llama); "
+                             "default both (short), random (long)")
+    parser.add_argument("--prompts_per_step", type=int, default=None,
+                        help="prompts per rollout and optimizer step (default 16 short, 8 long)")
     parser.add_argument("--n", type=int, default=8, help="completions per prompt (GRPO's group size)")
-    parser.add_argument("--max_completion", type=int, default=32, help="max new tokens per completion")
+    parser.add_argument("--max_completion", type=int, default=None,
+                        help="max new tokens per completion (default 32 short, 64 long)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run; the first is warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm per model, interleaved")
     parser.add_argument("--learning_rate", type=float, default=1e-6, help="constant lr (TRL's GRPO default)")
@@ -110,13 +121,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.command = f"python benchmarks/grpo_vs_trl.py {harness.given_flags(argv)}".rstrip()
+    workload = LONG if args.workload == "long" else SHORT
+    args.prompt_tokens, args.section = workload["prompt_tokens"], workload["section"]
+    args.prompts_per_step = args.prompts_per_step or workload["prompts_per_step"]
+    args.max_completion = args.max_completion or workload["max_completion"]
+    args.models = args.models or ("random" if args.workload == "long" else "demo,random")
     if args.smoke:
         args.models, args.prompts_per_step, args.n, args.max_completion = "random", 4, 4, 8
         args.steps, args.repeats = 2, 1
     args.models = args.models.split(",")
     if set(args.models) - {"demo", "random"}:
         parser.error(f"--models: unknown {sorted(set(args.models) - {'demo', 'random'})}; choose demo, random")
-    args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, SECTION, args.smoke)
+    if args.workload == "long" and args.models != ["random"]:
+        parser.error("--workload long runs the random model only (the demo model was trained on 6-token prompts)")
+    args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, args.section, args.smoke)
     if (args.prompts_per_step * args.n) % TRL_MICRO_BATCH:
         parser.error(f"prompts_per_step x n must be a multiple of TRL's micro-batch of {TRL_MICRO_BATCH}")
     return args
@@ -217,10 +235,27 @@ def prepare(args, work: Path) -> dict:
     if "demo" in args.models:
         models["demo"] = demo_model(work / "sft_demo")
     if "random" in args.models:
-        spec = SMOKE_MODEL if args.smoke else RANDOM_MODEL
-        (models["random"],) = harness.save_models(work / "random", spec, seeds=[args.seed])
+        (models["random"],) = harness.save_models(work / "random", random_spec(args), seeds=[args.seed])
     rows = demo_samples("train", args.prompts_per_step * args.steps, args.seed)
+    if args.workload == "long":
+        rows = [{**row, "prompt": few_shot_prompt(row["prompt"], args.prompt_tokens, args.seed + i)}
+                for i, row in enumerate(rows)]
     return {"work": work, "models": models, "data": harness.write_jsonl(work / "prompts.jsonl", rows)}
+
+
+def random_spec(args) -> ModelSpec:
+    return SMOKE_MODEL if args.smoke else LONG_MODEL if args.workload == "long" else RANDOM_MODEL
+
+
+def few_shot_prompt(question: str, tokens: int, seed: int) -> str:
+    """``question`` ("07+46=") after solved lines of the demo task ("12+30=42\\n"), cut at the front to exactly
+    ``tokens`` characters (the demo tokenizer's tokens: one per character)."""
+    from openpack.data.demo_task import demo_samples
+
+    context, lines = "", demo_samples("train", tokens // 8 + 1, seed=1000 + seed)
+    for line in lines:
+        context += f"{line['prompt']}{line['response']}\n"
+    return context[len(context) - (tokens - len(question)):] + question
 
 
 def demo_model(save_path: Path) -> Path:
@@ -238,7 +273,7 @@ def model_description(name: str, args) -> str:
     if name == "demo":
         return ("the SFT demo model (`openpack train_sft`, seed 42: Llama, 3 layers, width 128, MLP 256, 46-token "
                 "vocab, 0.46M parameters; answers `53<eos>` or `it is 53<eos>`)")
-    spec = SMOKE_MODEL if args.smoke else RANDOM_MODEL
+    spec = random_spec(args)
     return (f"a random-init Llama ({spec.num_hidden_layers} layers, width {spec.hidden_size}, MLP "
             f"{spec.intermediate_size}, 4 query / 2 KV heads, the demo tokenizer's 46-token vocab, "
             f"{random_model_parameters(spec) / 1e6:.2f}M parameters)")
@@ -256,7 +291,7 @@ def openpack_command(args, setup: dict, model: str, save_path: Path, extra: tupl
         "--pretrain", str(setup["models"][model]), "--prompt_data", str(setup["data"]),
         "--input_key", "prompt", "--label_key", "response",
         "--rollout_batch_size", str(args.prompts_per_step), "--n_samples_per_prompt", str(args.n),
-        "--generate_max_len", str(args.max_completion), "--prompt_max_len", "16",
+        "--generate_max_len", str(args.max_completion), "--prompt_max_len", str(args.prompt_tokens),
         "--train_batch_size", str(args.prompts_per_step * args.n), "--micro_train_batch_size", "1",
         "--packing_samples", "--use_dynamic_batch", *extra,
         "--rollout_backend", "hf", "--micro_rollout_batch_size", str(args.prompts_per_step), "--num_episodes", "1",
@@ -384,13 +419,20 @@ def row_caps_text(summaries: dict, arm: str) -> str:
     return ", ".join(f"{'/'.join(map(str, s['row_caps'][arm]))} ({m})" for m, s in summaries.items())
 
 
+def prompts_text(args) -> str:
+    questions = (f"the demo task's training split (`demo_samples(\"train\", {args.prompts_per_step * args.steps}, "
+                 f"seed={args.seed})`, e.g. `07+46=`")
+    if args.workload == "long":
+        return (f"{questions}) after solved lines of the same task (`12+30=42\\n`, drawn with another seed), cut "
+                f"at the front to {args.prompt_tokens} tokens in all (`few_shot_prompt`), no chat template")
+    return f"{questions}, 6 tokens, no chat template, the format the SFT demo model was trained on)"
+
+
 def setup_text(args, setup: dict, summaries: dict) -> str:
     models = "; ".join(f"`{m}`: {model_description(m, args)}" for m in setup["models"])
     padded = ", ".join(f"{s['trl_computed_per_real']:.2f}x ({m})" for m, s in summaries.items())
     return (
-        f"Models: {models}; fp32. Prompts: the demo task's training split (`demo_samples(\"train\", "
-        f"{args.prompts_per_step * args.steps}, seed={args.seed})`, e.g. `07+46=`, 6 tokens, no chat template, the "
-        f"format the SFT demo model was trained on). Both arms: {args.prompts_per_step} prompts x n={args.n} = "
+        f"Models: {models}; fp32. Prompts: {prompts_text(args)}. Every arm: {args.prompts_per_step} prompts x n={args.n} = "
         f"{args.prompts_per_step * args.n} completions per rollout and per optimizer step (one update per rollout, "
         f"so the importance ratio is 1), max {args.max_completion} new tokens, temperature 1.0, no top-k/top-p, "
         f"beta 0 (no reference model), exact-match reward (completion without eos == the answer), "
@@ -416,11 +458,14 @@ def setup_text(args, setup: dict, summaries: dict) -> str:
 
 def markdown_section(args, setup: dict, summaries: dict, chart: Path | None, doc: Path, wall_s: float,
                      load: list[float]) -> str:
-    image = f"![GRPO step time split and memory]({os.path.relpath(chart, doc.parent)})\n\n" if chart else ""
+    image = (f"![GRPO: openpack / TRL per measure]({os.path.relpath(chart, doc.parent)})\n\n"
+             f"![GRPO: seconds per step by phase, per arm]({os.path.relpath(split_chart_path(chart), doc.parent)})\n\n"
+             if chart else "")
     cmd = harness.shell_command(openpack_command(args, setup, setup["models"] and next(iter(setup["models"])),
                                                  setup["work"] / "RUN_DIR"))
     cmd = cmd.replace(f"{setup['work']}/", "")
-    return f"""## GRPO: openpack vs TRL GRPOTrainer (`benchmarks/grpo_vs_trl.py`)
+    title = "GRPO: openpack vs TRL GRPOTrainer" + (", long prompts" if args.workload == "long" else "")
+    return f"""## {title} (`benchmarks/grpo_vs_trl.py`)
 
 ```
 {args.command}
@@ -508,9 +553,12 @@ def reading(args, summaries: dict) -> str:
             f"training {shared:.2f}x, peak RSS {median_ratio(s, SHARED, 'peak_rss_mb'):.2f}x.")
     parts.append(
         "One row per step trades memory for fewer forwards: its peak RSS grows with the step's tokens, while TRL's "
-        "and the default's grow with the micro-batch or row cap. The prompts here are 6 tokens against completions "
-        "of up to " + str(args.max_completion) + ", so prefix sharing has little to save (issue 26's long-prompt "
-        "workload is `rl_prefix_sharing.py`'s). On a GPU with vLLM rollouts the picture differs: generation moves "
+        "and the default's grow with the micro-batch or row cap. " + (
+            f"The prompts here are {args.prompt_tokens} tokens against completions of up to {args.max_completion}, "
+            f"so each group of {args.n} repeats most of its tokens, and prefix sharing computes them once. "
+            if args.workload == "long" else
+            f"The prompts here are 6 tokens against completions of up to {args.max_completion}, so prefix sharing "
+            f"has little to save (`--workload long` is the long-prompt case). ") + "On a GPU with vLLM rollouts the picture differs: generation moves "
         "out of both trainers' processes (TRL's `use_vllm`, openpack's engines), and the padding and memory terms "
         "scale with the model.")
     return "\n\n".join(parts)
@@ -544,7 +592,7 @@ def differences(args) -> str:
 * *Settings that are not both frameworks' defaults*, none chosen to favour openpack: TRL's `bf16` and
   `gradient_checkpointing` are off (an fp32 CPU comparison; openpack runs without checkpointing by default), its
   lr schedule is constant (openpack's default; TRL's is linear decay) and its dataset is not shuffled (the
-  prompts are all 6 tokens, so the order changes no lengths). openpack gets `--adam_betas 0.9 0.999` (TRL's;
+  prompts are all {args.prompt_tokens} tokens, so the order changes no lengths). openpack gets `--adam_betas 0.9 0.999` (TRL's;
   openpack's default is OpenRLHF's 0.9 0.95) and `--micro_rollout_batch_size {args.prompts_per_step}` (one
   generate call per step, as TRL; its default of 32 prompts would give the same call)."""
 
@@ -563,6 +611,44 @@ beta 0, `num_iterations=1` and `steps_per_generation` equal to the accumulation 
 or reference forward: the experience phase is the reward call. (5) Its padded forward computes logits for the
 completion positions only (`logits_to_keep`), but every micro-batch is padded to its longest prompt +
 completion."""
+
+
+SPLIT = (("generation_s", "generation"), ("experience_s", "experience"), ("training_s", "training"))
+
+
+def split_chart(path: Path, summaries: dict, title: str) -> None:
+    """Seconds per step, stacked by phase (medians over repeats; "other" is the step's rest: weight sync, logging,
+    the optimizer loop's own work), a bar per arm, a panel per model."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5 * len(summaries), 4), dpi=100)
+    FigureCanvasAgg(fig)
+    fig.suptitle(title)
+    for index, (model, s) in enumerate(summaries.items()):
+        ax = fig.add_subplot(1, len(summaries), index + 1)
+        medians = {key: [statistics.median(s["values"][key][arm]) for arm in ARMS]
+                   for key in (*(k for k, _ in SPLIT), "step_time_s")}
+        bottom = [0.0] * len(ARMS)
+        for key, label in (*SPLIT, ("other", "other")):
+            heights = medians[key] if key != "other" else [max(0.0, t - b) for t, b in
+                                                            zip(medians["step_time_s"], bottom)]
+            ax.bar(range(len(ARMS)), heights, 0.6, bottom=bottom, label=label)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        for x, total in enumerate(medians["step_time_s"]):
+            ax.annotate(f"{total:.2f} s", (x, total), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(ARMS)), [a.replace("openpack ", "openpack\n") for a in ARMS], fontsize=8)
+        ax.set_title(f"{model}: seconds per step, by phase", fontsize=10)
+        ax.set_ylabel("s / step (median)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+
+
+def split_chart_path(chart: Path) -> Path:
+    return chart.with_name(f"{chart.stem}_split.png")
 
 
 def charts(path: Path, summaries: dict) -> None:
@@ -595,7 +681,9 @@ def benchmark(args, work: Path) -> int:
     (work / "results.json").write_text(json.dumps(results, indent=1))
     if args.markdown is not None:
         charts(args.chart, summaries)
-        harness.write_section(args.markdown, SECTION, markdown_section(args, setup, summaries, args.chart,
+        split_chart(split_chart_path(args.chart), summaries, "GRPO step on CPU by phase: openpack arms vs TRL 1.16 "
+                    f"GRPOTrainer ({args.workload} workload)")
+        harness.write_section(args.markdown, args.section, markdown_section(args, setup, summaries, args.chart,
                                                                         args.markdown, wall_s, load))
     return 0
 

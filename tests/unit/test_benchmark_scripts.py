@@ -10,6 +10,7 @@ hence the slow mark.
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,21 @@ def test_grpo_vs_trl_smoke(tmp_path):
     assert "openpack / TRL" in text and "openpack --prefix_sharing / TRL" in text and "GRPOTrainer" in text
     # the default arm ran with the automatic row cap its log states (the smoke model: the CPU floor)
     assert summary["row_caps"] == {"openpack": [512], "openpack one row": [16384], "openpack --prefix_sharing": [512]}
+    assert (tmp_path / "img" / "grpo_vs_trl_split.png").stat().st_size > 0  # seconds per step by phase, per arm
+    assert "img/grpo_vs_trl_split.png" in text
+
+
+def test_grpo_vs_trl_long_prompts_are_few_shot_lines_then_the_question():
+    """--workload long: every prompt is exactly 384 demo tokens (characters) and ends with its own question."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import grpo_vs_trl
+
+    args = grpo_vs_trl.parse_args(["--workload", "long", "--markdown", "none"])
+    assert (args.models, args.prompts_per_step, args.max_completion, args.prompt_tokens) == (["random"], 8, 64, 384)
+    prompt = grpo_vs_trl.few_shot_prompt("07+46=", args.prompt_tokens, seed=3)
+    assert len(prompt) == 384 and prompt.endswith("\n07+46=")
+    lines = prompt.split("\n")[1:-1]  # the first may be cut at the front
+    assert lines and all(int(a) + int(b) == int(c) for a, b, c in (re.split("[+=]", line) for line in lines))
 
 
 @pytest.mark.slow
