@@ -48,8 +48,14 @@ class RLSettings:
 
     @property
     def needs_old_pass(self) -> bool:
-        # a rollout sampled by an older policy needs the current one's log-probs as the ratio's denominator
-        return self.updates_per_rollout > 1 or self.reward_kl or self.async_staleness > 0
+        """A scoring pass of the policy before its updates: the ratio's denominator once an update has moved the
+        policy (more than one update per rollout batch), or the log-probs a KL in the reward needs first.
+
+        With one update per batch the denominator is the policy as it stands before that update, and the update's
+        own forward computes exactly those log-probs (detached): also when the batch was sampled by an older
+        version (``--async_train``), whose log-probs stay the behaviour log-probs of TIS and ``vllm_logp_diff``.
+        """
+        return self.updates_per_rollout > 1 or self.reward_kl
 
 
 def rl_settings(cfg) -> RLSettings:
