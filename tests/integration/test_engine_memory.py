@@ -86,3 +86,23 @@ def test_cpu_engines_release_memory_after_every_backward_and_step(monkeypatch):
         engine.backward(-engine(batch.to(dist.device)).sum() / 17)
         optimizer_step(engine) if boundary else engine.step()
     assert len(calls) == 4
+
+
+def test_a_zero_engine_is_built_without_importing_deepspeeds_muon():
+    """DeepSpeed's ZeRO check imports its Muon optimizer (torch.compile'd kernels: 1.6 s and 40-190 MB a process)
+    to see whether the optimizer is one; openpack's AdamW is answered first, in a fresh process."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine\n"
+            "from openpack.distributed.process import init_distributed\n"
+            "from openpack.models.packed import PackedCausalLM\n"
+            "from openpack.models.tiny import tiny_causal_lm\n"
+            "init_distributed()\n"
+            f"engine = create_engine(PackedCausalLM(tiny_causal_lm('llama', seed=1)), {OPTIM!r}, "
+            "ZeroConfig(2, False, False, False), 1)\n"
+            "print('muon imported:', 'deepspeed.runtime.zero.muon.muon_optimizer' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "muon imported: False" in result.stdout
