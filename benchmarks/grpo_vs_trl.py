@@ -88,6 +88,8 @@ TRL_MICRO_BATCH = 8  # TRL's default per_device_train_batch_size (checked in the
 DEMO_VOCAB = 46  # the demo tokenizer's size: a random model samples only ids it can decode
 RANDOM_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                          max_position_embeddings=256)
+BIG_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                      max_position_embeddings=512)  # ~106M parameters: issue 26's "about 100M", built from a config
 LONG_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                        max_position_embeddings=512)  # the same 9.8M Llama, positions for 384 + 64 tokens
 SMOKE_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -102,8 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the same questions after few-shot lines, 384-token prompts, 8 x 8 completions of <= 64 "
                              "tokens, the random 9.8M model only (its own docs section)")
     parser.add_argument("--models", default=None,
-                        help="comma-separated: demo (the SFT demo model), random (a random-init 9.8M Llama); "
-                             "default both (short), random (long)")
+                        help="comma-separated: demo (the SFT demo model), random (a random-init 9.8M Llama), big "
+                             "(a random-init ~106M Llama); default demo,random (short), random (long)")
     parser.add_argument("--prompts_per_step", type=int, default=None,
                         help="prompts per rollout and optimizer step (default 16 short, 8 long)")
     parser.add_argument("--n", type=int, default=8, help="completions per prompt (GRPO's group size)")
@@ -130,10 +132,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.models, args.prompts_per_step, args.n, args.max_completion = "random", 4, 4, 8
         args.steps, args.repeats = 2, 1
     args.models = args.models.split(",")
-    if set(args.models) - {"demo", "random"}:
-        parser.error(f"--models: unknown {sorted(set(args.models) - {'demo', 'random'})}; choose demo, random")
-    if args.workload == "long" and args.models != ["random"]:
-        parser.error("--workload long runs the random model only (the demo model was trained on 6-token prompts)")
+    if set(args.models) - {"demo", "random", "big"}:
+        parser.error(f"--models: unknown {sorted(set(args.models) - {'demo', 'random', 'big'})}; choose demo, "
+                     "random, big")
+    if args.workload == "long" and "demo" in args.models:
+        parser.error("--workload long runs random-init models only (the demo model was trained on 6-token prompts)")
     args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, args.section, args.smoke)
     if (args.prompts_per_step * args.n) % TRL_MICRO_BATCH:
         parser.error(f"prompts_per_step x n must be a multiple of TRL's micro-batch of {TRL_MICRO_BATCH}")
@@ -241,6 +244,9 @@ def prepare(args, work: Path) -> dict:
         models["demo"] = demo_model(work / "sft_demo")
     if "random" in args.models:
         (models["random"],) = harness.save_models(work / "random", random_spec(args), seeds=[args.seed])
+    if "big" in args.models:
+        (models["big"],) = harness.save_models(work / "big", SMOKE_MODEL if args.smoke else BIG_MODEL,
+                                               seeds=[args.seed])
     rows = demo_samples("train", args.prompts_per_step * args.steps, args.seed)
     if args.workload == "long":
         rows = [{**row, "prompt": few_shot_prompt(row["prompt"], args.prompt_tokens, args.seed + i)}
@@ -278,7 +284,7 @@ def model_description(name: str, args) -> str:
     if name == "demo":
         return ("the SFT demo model (`openpack train_sft`, seed 42: Llama, 3 layers, width 128, MLP 256, 46-token "
                 "vocab, 0.46M parameters; answers `53<eos>` or `it is 53<eos>`)")
-    spec = random_spec(args)
+    spec = random_spec(args) if name == "random" else SMOKE_MODEL if args.smoke else BIG_MODEL
     return (f"a random-init Llama ({spec.num_hidden_layers} layers, width {spec.hidden_size}, MLP "
             f"{spec.intermediate_size}, 4 query / 2 KV heads, the demo tokenizer's 46-token vocab, "
             f"{random_model_parameters(spec) / 1e6:.2f}M parameters)")
