@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import types
 from dataclasses import dataclass
 
 import torch
+from torch.optim.adamw import adamw
 
 from openpack.models.memory import MEMORY_TRACE, mark_memory, release_freed_memory
 
@@ -103,6 +106,52 @@ def lr_lambda(optim: OptimConfig):
     return factor
 
 
+STEP_CHUNK = 1 << 22  # elements of a parameter AdamW steps at a time: its temporaries are one chunk (16 MB fp32)
+
+
+class ChunkedAdamW(torch.optim.AdamW):
+    """torch AdamW stepped over each parameter in chunks of ``chunk`` elements.
+
+    ZeRO-1/2 hand AdamW one flat fp32 tensor per parameter group (every weight of the group), and torch's
+    single-tensor step makes two temporaries of its size (``exp_avg_sq.sqrt() / bias_correction``): 8 bytes per
+    parameter on top of the states at the step, +1 GB on a 132M model (measured on CPU). Stepped chunk by chunk,
+    the temporaries are one chunk's, and each element sees the same arithmetic as in ``torch.optim.AdamW``'s
+    single-tensor step (bitwise equal: ``tests/unit/test_chunked_adamw.py``); the state is AdamW's, so checkpoints
+    are unchanged.
+    """
+
+    def __init__(self, params, chunk: int = STEP_CHUNK, **kwargs):
+        super().__init__(params, foreach=False, **kwargs)
+        self.chunk = chunk
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"]:
+                raise ValueError("ChunkedAdamW steps plain AdamW only")
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # as torch.optim.Adam._init_group makes it
+                    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                flat = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                for start in range(0, p.numel(), self.chunk):
+                    part = [t[start:start + self.chunk] for t in flat]
+                    adamw([part[0]], [part[1]], [part[2]], [part[3]], [], [state["step"].clone()],
+                              foreach=False, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
+                              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                              maximize=group["maximize"])
+                state["step"] += 1
+        return loss
+
+
 def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on biases and norm weights (1-D parameters)."""
     decay, no_decay = [], []
@@ -113,22 +162,23 @@ def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]  # LoRA trains no 1-D parameter; ZeRO drops empty groups
 
 
-def _check_adamw_without_muon() -> None:
-    """DeepSpeed's ZeRO sanity check imports its Muon optimizer to see whether the optimizer is one, and that
-    import torch.compiles Muon's kernels: 1.6 s and 40-190 MB of resident memory in every process that builds a
-    ZeRO engine (measured on CPU, DeepSpeed 0.19.8). openpack's optimizer is always torch AdamW, which the check
-    accepts: answer it without the import (any other optimizer still goes to DeepSpeed's own check)."""
-    from deepspeed.runtime import engine as ds_engine
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
-    check = ds_engine.is_zero_supported_optimizer
-    if getattr(check, "openpack_adamw_first", False):
+
+def _no_muon_import() -> None:
+    """Stand in for DeepSpeed's Muon module, which openpack never uses.
+
+    DeepSpeed imports it to ask whether the optimizer is Muon: in ZeRO's sanity check, at ZeRO-3 and bf16
+    optimizer init, and in ZeRO-1/2's first gradient reduction. The import torch.compiles Muon's kernels:
+    1.3-1.6 s and 40-190 MB of resident memory in every training process (measured on CPU, DeepSpeed 0.19.8).
+    openpack's optimizer is always ``ChunkedAdamW``, so a module whose ``MuonWithAuxAdam`` nothing is an instance
+    of gives DeepSpeed the same answers without the compile. Left alone when the real module is already imported.
+    """
+    if MUON_MODULE in sys.modules:
         return
-
-    def adamw_first(optimizer) -> bool:
-        return type(optimizer) is torch.optim.AdamW or check(optimizer)
-
-    adamw_first.openpack_adamw_first = True
-    ds_engine.is_zero_supported_optimizer = adamw_first
+    stand_in = types.ModuleType(MUON_MODULE, "openpack: DeepSpeed's Muon optimizer, never used (engine.py)")
+    stand_in.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {"__doc__": "Never instantiated: openpack uses AdamW."})
+    sys.modules[MUON_MODULE] = stand_in
 
 
 def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig, world_size: int):
@@ -137,12 +187,12 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
 
     if optim.lr_scheduler not in SCHEDULES:
         raise ValueError(f"--lr_scheduler must be one of {SCHEDULES}, got {optim.lr_scheduler!r}")
-    optimizer = torch.optim.AdamW(
+    optimizer = ChunkedAdamW(
         _param_groups(module, optim.weight_decay), lr=optim.learning_rate, betas=optim.adam_betas,
         eps=optim.adam_epsilon
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
-    _check_adamw_without_muon()
+    _no_muon_import()
     mark_memory("before engine init")
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     engine, _, _, _ = deepspeed.initialize(
