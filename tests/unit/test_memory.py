@@ -75,8 +75,10 @@ def test_rl_default_row_cap_holds_activations_to_the_states_on_cpu_and_to_the_bu
     assert 700 < cap < 800 and why == "activations no larger than the model's weights, gradients and optimizer states"
     assert cap * need.per_token + cap * need.logits_per_token <= need.states
     assert (cap + 1) * (need.per_token + need.logits_per_token) > need.states
-    assert default_row_cap(need, need.states, 24 * GIB, cpu=True, longest=1000) == \
-        (1000, f"the longest prompt + completion (tighter: {why}, {cap} tokens)")
+    assert default_row_cap(need, need.states, 24 * GIB, cpu=True, longest=448) == \
+        (4 * 448, "room for 4 of the longest prompt + completion")  # issue 26's long prompts: 4 samples a row
+    assert default_row_cap(need, need.states, 24 * GIB, cpu=False, longest=20000) == \
+        (20000, f"the longest prompt + completion (tighter: at most {ROW_CAP}, {ROW_CAP} tokens)")
     small = step_memory(tiny_config("llama", vocab_size=46, hidden_size=128, intermediate_size=256,
                                     num_hidden_layers=3), 460_000, False, False, 2, 1)  # the demo model
     cap, why = default_row_cap(small, small.states, 24 * GIB, cpu=True, longest=38)  # states: 7.4 MB
