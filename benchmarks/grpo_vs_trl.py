@@ -547,7 +547,7 @@ def reading(args, summaries: dict) -> str:
     """What the ratios say; directions are read from this run's medians, causes are stated as not profiled."""
     gen = [r for s in summaries.values() for arm in OPENPACK_ARMS for r in s["ratios"][arm]["generation_s"]]
     parts = [(f"**Reading it.** Generation is transformers' `generate` in all four arms, and its openpack / TRL "
-              f"ratio spans {min(gen):.2f}x-{max(gen):.2f}x over all repeat pairs and both models (the three openpack "
+              f"ratio spans {min(gen):.2f}x-{max(gen):.2f}x over all repeat pairs and models (the three openpack "
              "arms run the same generation code, yet differ as much between themselves): no difference shows "
               "through this machine's noise. The experience phase is milliseconds on both sides. Training is where "
               "the arms differ.")]
