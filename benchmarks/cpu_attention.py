@@ -56,8 +56,8 @@ def shapes(smoke: bool) -> list[dict]:
         # long prompts: 4 prompts of 384 tokens x 8 completions of 16..64, unshared and prefix-shared
         dict(name="long: 32 x (384 + 16..64)", lengths=[384 + x for x in spread(32, 16, 64)], heads=4, kv=2, dim=96,
              groups=None),
-        dict(name="long, shared: 4 x (384 | 8 x 16..64)", lengths=[v for _ in range(4) for v in [384, *spread(8, 16, 64)]],
-             heads=4, kv=2, dim=96, groups=[9] * 4),
+        dict(name="long, shared: 4 x (384 | 8 x 16..64)", heads=4, kv=2, dim=96, groups=[9] * 4,
+             lengths=[v for _ in range(4) for v in [384, *spread(8, 16, 64)]]),
     ]
 
 

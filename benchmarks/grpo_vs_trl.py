@@ -361,9 +361,8 @@ def run_all(args, setup: dict, work: Path) -> dict[str, list[dict]]:
     for model in setup["models"]:
         print(f"model {model}: {model_description(model, args)}", flush=True)
         runs[model] = harness.run_interleaved({
-            **{arm: lambda repeat, m=model, arm=arm, i=i: run_openpack(args, setup, m, work / f"{m}_openpack{i}_{repeat}",
-                                                                       env, arm)
-               for i, arm in enumerate(OPENPACK_ARMS)},
+            **{arm: lambda repeat, m=model, arm=arm, i=i: run_openpack(
+                args, setup, m, work / f"{m}_openpack{i}_{repeat}", env, arm) for i, arm in enumerate(OPENPACK_ARMS)},
             "TRL": lambda repeat, m=model: run_trl(args, setup, m, work / f"{m}_trl_{repeat}", env),
         }, args.repeats)
     return runs
@@ -443,7 +442,8 @@ def setup_text(args, setup: dict, summaries: dict) -> str:
     models = "; ".join(f"`{m}`: {model_description(m, args)}" for m in setup["models"])
     padded = ", ".join(f"{s['trl_computed_per_real']:.2f}x ({m})" for m, s in summaries.items())
     return (
-        f"Models: {models}; fp32. Prompts: {prompts_text(args)}. Every arm: {args.prompts_per_step} prompts x n={args.n} = "
+        f"Models: {models}; fp32. Prompts: {prompts_text(args)}. Every arm: {args.prompts_per_step} prompts x "
+        f"n={args.n} = "
         f"{args.prompts_per_step * args.n} completions per rollout and per optimizer step (one update per rollout, "
         f"so the importance ratio is 1), max {args.max_completion} new tokens, temperature 1.0, no top-k/top-p, "
         f"beta 0 (no reference model), exact-match reward (completion without eos == the answer), "
@@ -557,8 +557,9 @@ def reading(args, summaries: dict) -> str:
         default, one_row, shared = (median_ratio(s, arm, "training_s") for arm in OPENPACK_ARMS)
         parts.append(
             f"On `{model}` ({tokens:.0f} real tokens per step) openpack's default caps rows at {cap} tokens (at least "
-            f"{math.ceil(tokens / cap)} rows per step, against TRL's {args.prompts_per_step * args.n // TRL_MICRO_BATCH}"
-            f" padded micro-batches): its training takes {default:.2f}x TRL's time and its peak RSS is "
+            f"{math.ceil(tokens / cap)} rows per step, against TRL's "
+            f"{args.prompts_per_step * args.n // TRL_MICRO_BATCH} padded micro-batches): its training takes "
+            f"{default:.2f}x TRL's time and its peak RSS is "
             f"{median_ratio(s, 'openpack', 'peak_rss_mb'):.2f}x TRL's. The whole step in one row: training "
             f"{one_row:.2f}x, peak RSS {median_ratio(s, ONE_ROW, 'peak_rss_mb'):.2f}x. With `--prefix_sharing`: "
             f"training {shared:.2f}x, peak RSS {median_ratio(s, SHARED, 'peak_rss_mb'):.2f}x.")
@@ -569,7 +570,8 @@ def reading(args, summaries: dict) -> str:
             f"so each group of {args.n} repeats most of its tokens, and prefix sharing computes them once. "
             if args.workload == "long" else
             f"The prompts here are 6 tokens against completions of up to {args.max_completion}, so prefix sharing "
-            f"has little to save (`--workload long` is the long-prompt case). ") + "On a GPU with vLLM rollouts the picture differs: generation moves "
+            f"has little to save (`--workload long` is the long-prompt case). ") +
+        "On a GPU with vLLM rollouts the picture differs: generation moves "
         "out of both trainers' processes (TRL's `use_vllm`, openpack's engines), and the padding and memory terms "
         "scale with the model.")
     return "\n\n".join(parts)
@@ -603,7 +605,8 @@ def differences(args) -> str:
 * *Settings that are not both frameworks' defaults*, none chosen to favour openpack: TRL's `bf16` and
   `gradient_checkpointing` are off (an fp32 CPU comparison; openpack runs without checkpointing by default), its
   lr schedule is constant (openpack's default; TRL's is linear decay) and its dataset is not shuffled (the
-  prompts are all {args.prompt_tokens} tokens, so the order changes no lengths). openpack gets `--adam_betas 0.9 0.999` (TRL's;
+  prompts are all {args.prompt_tokens} tokens, so the order changes no lengths). openpack gets
+  `--adam_betas 0.9 0.999` (TRL's;
   openpack's default is OpenRLHF's 0.9 0.95) and `--micro_rollout_batch_size {args.prompts_per_step}` (one
   generate call per step, as TRL; its default of 32 prompts would give the same call)."""
 

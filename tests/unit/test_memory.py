@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from openpack.core.batch import Segment, collate_packed
-from openpack.models.memory import CPU_ACTIVATION_FLOOR, ROW_CAP, GIB, activation_numbers_per_token, budget_warning, default_row_cap, step_memory
+from openpack.models.memory import (CPU_ACTIVATION_FLOOR, GIB, ROW_CAP, activation_numbers_per_token, budget_warning,
+                                    default_row_cap, step_memory)
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm, tiny_config
 
