@@ -191,10 +191,11 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
 
 
 def with_row_cap(cfg, model, dist):
-    """``cfg`` with ``--max_tokens_per_gpu`` set when packed dynamic batches leave it unset: rank 0's
-    ``default_row_cap`` for the policy (every rank plans with it), logged once."""
+    """``cfg`` with ``--max_tokens_per_gpu`` set where it was left unset: rank 0's ``default_row_cap`` for the
+    policy (every rank plans with it), logged once. Also without dynamic batches: the scoring passes (reference,
+    old policy, critic values, reward models) pack their rows under it."""
     train_cfg = cfg.train
-    if train_cfg.max_tokens_per_gpu is not None or not (train_cfg.packing_samples and train_cfg.use_dynamic_batch):
+    if train_cfg.max_tokens_per_gpu is not None:
         return cfg
     from openpack.distributed.process import broadcast_object
     from openpack.trainers.batching import default_row_cap

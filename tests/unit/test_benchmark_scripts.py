@@ -131,10 +131,10 @@ def test_grpo_vs_trl_smoke(tmp_path):
             assert step["generation_s"] + step["training_s"] <= step["step_time_s"] * 1.01 + 1e-3, (run["arm"], step)
     assert summary["trl_computed_per_real"] >= 1
     assert "openpack / TRL" in text and "openpack --prefix_sharing / TRL" in text and "GRPOTrainer" in text
-    # the default arm ran with the automatic row cap its log states (the smoke model: 128 MiB of activations)
-    caps = summary["row_caps"]
-    assert caps["openpack one row"] == [16384] and caps["openpack"] == caps["openpack --prefix_sharing"]
-    assert 1000 < caps["openpack"][0] < 16384
+    # the default arm ran with the automatic row cap its log states (the smoke model's 128 MiB of activations on
+    # CPU are more than 16384 tokens: the ceiling)
+    assert summary["row_caps"] == {"openpack": [16384], "openpack one row": [16384],
+                                   "openpack --prefix_sharing": [16384]}
     assert (tmp_path / "img" / "grpo_vs_trl_split.png").stat().st_size > 0  # seconds per step by phase, per arm
     assert "img/grpo_vs_trl_split.png" in text
 
