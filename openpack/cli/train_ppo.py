@@ -385,9 +385,8 @@ def _reward_specs(cfg: PPORunConfig):
     if not rl_cfg.reward_pretrain or launch_cfg.launcher != "ray" or launched_by_environment() or \
             rollout_cfg.colocate_critic_reward or rollout_cfg.colocate_all_models:
         return None
-    from openpack.orchestration.ray_launcher import ScorerGroupSpec
-
     from openpack.models.memory import ROW_CAP
+    from openpack.orchestration.ray_launcher import ScorerGroupSpec
 
     cap = train_cfg.max_tokens_per_gpu or ROW_CAP  # no gradients in a reward actor: no activations kept
     return [ScorerGroupSpec(build_reward_scorer, (path, cap, model_cfg.bf16), path) for path in rl_cfg.reward_pretrain]

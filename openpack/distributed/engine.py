@@ -137,8 +137,9 @@ class ChunkedAdamW(torch.optim.AdamW):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:  # as torch.optim.Adam._init_group makes it
-                    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+                if not state:  # as torch.optim.Adam._init_group makes it (its _get_scalar_dtype)
+                    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                    state["step"] = torch.tensor(0.0, dtype=dtype)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 flat = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
@@ -163,6 +164,15 @@ def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _zero_supports_chunked_adamw() -> None:
+    """List ``ChunkedAdamW`` among the optimizers ZeRO supports: it is torch AdamW (a subclass, the same step),
+    which is on the list; unlisted, every engine start warns "You are using ZeRO with an untested optimizer"."""
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    if ChunkedAdamW not in ZERO_SUPPORTED_OPTIMIZERS:
+        ZERO_SUPPORTED_OPTIMIZERS.append(ChunkedAdamW)
 
 
 def _no_muon_import() -> None:
@@ -193,6 +203,7 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
     _no_muon_import()
+    _zero_supports_chunked_adamw()
     mark_memory("before engine init")
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     engine, _, _, _ = deepspeed.initialize(

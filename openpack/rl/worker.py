@@ -233,7 +233,6 @@ def build_rl_reference(cfg, pretrain: str, dist=None):
 def critic_engine(cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):
     """The critic's DeepSpeed engine: --critic_pretrain (default: the first --reward_pretrain, else --pretrain) as a
     value model, trained at --critic_learning_rate on the policy's schedule."""
-
     from openpack.distributed.engine import create_engine
     from openpack.models.reward import HEAD, PackedValueModel, load_reward_model
     from openpack.trainers.run import optim_config, zero_config
