@@ -1,12 +1,15 @@
 """``openpack check_packing``: prove packing is exact on this machine before trusting a run.
 
 Builds tiny random models (Llama, Qwen2, Mistral with an 8-token sliding
-window) on the chosen device and dtype, runs one packed forward and backward
-through openpack's attention backend, and compares log-probs and gradients
-with each segment run alone through transformers' eager attention. Both
+window by default; ``--archs`` takes any family of ``models.tiny.FAMILIES``),
+or loads your own with ``--pretrain PATH``, on the chosen device and dtype,
+runs one packed forward and backward through openpack's attention backend,
+and compares log-probs and gradients with each segment run alone through
+transformers' eager attention. Both
 sides are also compared with an fp32 copy, so in bf16 the rule is "packing
 adds no more error than bf16 itself": packed error <= tolerance + 2 x the
-unpacked bf16 error. Exits 1 if any architecture fails.
+unpacked bf16 error. Exits 1 if any model fails; a model
+family that cannot pack exactly is refused with exit 2 before it loads.
 """
 
 from __future__ import annotations
@@ -20,26 +23,31 @@ import torch
 
 from openpack.cli.config import ConfigError, arg, parse_config
 from openpack.models.attention import BACKENDS, resolve_backend, set_attention_backend
-from openpack.models.tiny import TINY_ARCHS, tiny_causal_lm
+from openpack.models.families import check_model_family
+from openpack.models.loading import ModelLoadError
+from openpack.models.tiny import FAMILIES, TINY_ARCHS, tiny_causal_lm, tiny_config
 from openpack.models.verify import packed_vs_unpacked, within_error_budget
 
+CHECKABLE = tuple(dict.fromkeys(TINY_ARCHS + tuple(FAMILIES)))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class CheckPackingConfig:
-    archs: list[str] = arg(list(TINY_ARCHS), "tiny architectures to check")
+    archs: list[str] = arg(list(TINY_ARCHS), f"tiny architectures to check, of {', '.join(CHECKABLE)}")
+    pretrain: str | None = arg(None, "a saved HF causal LM folder (or hub name) to check instead of the tiny ones")
     device: str = arg("auto", "cpu, cuda, or auto (cuda when available)")
     dtype: str = arg("float32", "model dtype", choices=list(DTYPES))
     attn_backend: str = arg("auto", "packed attention backend; auto picks by device and dtype", choices=BACKENDS)
     lengths: list[int] = arg([7, 13, 1, 20, 5, 2, 64, 31], "segment lengths packed into one row")
-    tolerance: float = arg(1e-5, "allowed max abs error of log-probs (and of gradients, relative to their scale)")
+    tolerance: float = arg(1e-5, "allowed max abs error of log-probs and of gradients, relative to their largest "
+                                 "magnitude when that exceeds 1")
     seed: int = arg(0, "seed for model weights and tokens")
 
     def validate(self):
-        unknown = set(self.archs) - set(TINY_ARCHS)
+        unknown = set(self.archs) - set(CHECKABLE)
         if unknown:
-            raise ConfigError(f"--archs: unknown {sorted(unknown)}; choose from {list(TINY_ARCHS)}")
+            raise ConfigError(f"--archs: unknown {sorted(unknown)}; choose from {list(CHECKABLE)}")
         if min(self.lengths) < 1:
             raise ConfigError("--lengths: every segment needs at least 1 token")
 
@@ -47,9 +55,20 @@ class CheckPackingConfig:
 CONFIGS = (CheckPackingConfig,)  # what the command parses; tests check example scripts against it
 
 
-def check_arch(arch: str, cfg: CheckPackingConfig, device: torch.device) -> dict:
-    model = tiny_causal_lm(arch, seed=cfg.seed).to(device)
-    result = {"arch": arch, "device": str(device), "dtype": cfg.dtype, "backend": resolve_backend(device, DTYPES[cfg.dtype])}
+def load_checked(arch: str | None, cfg: CheckPackingConfig):
+    """The model to check: ``--pretrain`` in fp32 (the reference; refused before its weights load if its family
+    cannot pack exactly), else the tiny ``arch``."""
+    if arch is None:
+        from openpack.models.loading import load_causal_lm
+
+        return load_causal_lm(cfg.pretrain).eval()
+    return tiny_causal_lm(arch, seed=cfg.seed)
+
+
+def check_arch(arch: str | None, cfg: CheckPackingConfig, device: torch.device) -> dict:
+    model = load_checked(arch, cfg).to(device)
+    result = {"arch": arch or cfg.pretrain, "device": str(device), "dtype": cfg.dtype,
+              "backend": resolve_backend(device, DTYPES[cfg.dtype])}
     result.update(packed_vs_unpacked(model, cfg.lengths, seed=cfg.seed, dtype=DTYPES[cfg.dtype]))
     result["passed"] = within_error_budget(result, cfg.tolerance)
     return result
@@ -65,10 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           "cpu" if cfg.device == "auto" else cfg.device)
     set_attention_backend(cfg.attn_backend)
-    results = [check_arch(arch, cfg, device) for arch in cfg.archs]
+    try:
+        for arch in [] if cfg.pretrain else cfg.archs:  # every family first, before any model is built
+            check_model_family(tiny_config(arch), f"--archs {arch}")
+        results = [check_arch(arch, cfg, device) for arch in ([None] if cfg.pretrain else cfg.archs)]
+    except ModelLoadError as err:
+        print(f"openpack check_packing: {err}", file=sys.stderr)
+        return 2
     for r in results:
         print(json.dumps(r))
     failed = [r["arch"] for r in results if not r["passed"]]
     verdict = f"NOT exact for {', '.join(failed)}" if failed else "exact"
-    print(f"packed attention on {device} ({cfg.dtype}): {verdict} across {len(results)} architectures")
+    what = cfg.pretrain or f"{len(results)} architectures"
+    print(f"packed attention on {device} ({cfg.dtype}): {verdict} across {what}")
     return 1 if failed else 0

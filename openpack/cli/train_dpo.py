@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         if dpo_cfg.ref_offload and model_cfg.zero_stage != 3:
             raise ConfigError("--ref_offload needs --zero_stage 3 (the reference's parameters are offloaded by ZeRO-3)")
         _check_reference_group(dpo_cfg, launch_cfg)
-        check_inputs(data_cfg.dataset, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": dpo_cfg.ref_pretrain})
+        check_inputs(data_cfg.dataset, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": dpo_cfg.ref_pretrain},
+                     prefix_sharing=data_cfg.prefix_sharing)
     except (ConfigError, DataError, ModelLoadError) as err:
         print(f"openpack train_dpo: {err}", file=sys.stderr)
         return 2

@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", run_config: 
         model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = cfg.sections()
         check_rl(cfg)
         check_inputs(data_cfg.prompt_data, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": rl_cfg.ref_pretrain},
-                     "--prompt_data")
+                     "--prompt_data", train_cfg.prefix_sharing)
         from openpack.models.reward import check_reward_model
 
         for path in rl_cfg.reward_pretrain or []:  # a causal LM here is refused now, not after the policy loads

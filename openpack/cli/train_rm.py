@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{train_cfg.max_tokens_per_gpu}; lower --max_len or raise --max_tokens_per_gpu"
             )
         check_prefix_sharing(data_cfg, train_cfg)
-        check_inputs((data_cfg.dataset or []) + (rm_cfg.eval_dataset or []), {"--pretrain": model_cfg.pretrain})
+        check_inputs((data_cfg.dataset or []) + (rm_cfg.eval_dataset or []), {"--pretrain": model_cfg.pretrain},
+                     prefix_sharing=data_cfg.prefix_sharing)
     except (ConfigError, DataError, ModelLoadError) as err:
         print(f"openpack train_rm: {err}", file=sys.stderr)
         return 2

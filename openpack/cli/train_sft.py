@@ -36,6 +36,9 @@ class ModelConfig:
                                     "all-linear: every linear layer but the output head")
     load_in_4bit: bool = arg(False, "QLoRA: the frozen base weights in 4-bit NF4 (bitsandbytes, CUDA GPU); "
                              "needs --lora_rank")
+    aux_loss_coef: float | None = arg(None, "MoE models: weight of the router load-balancing loss added to the "
+                                      "policy's loss (sets, and saves, the config's router_aux_loss_coef)",
+                                      at_least=0, special={None: "the model config's router_aux_loss_coef"})
 
     def validate(self):
         check_lora_flags(self)
@@ -235,20 +238,22 @@ def with_demo_defaults(argv: list[str], command: str, demo_config: Path,
     return ["--config", str(demo_config), *argv], notice
 
 
-def check_inputs(datasets: list[str] | None, models: dict[str, str | None], data_flag: str = "--dataset") -> None:
-    """Before Ray, DeepSpeed or a model load: every local ``data_flag`` dataset can be read and every model flag's
-    config loads.
+def check_inputs(datasets: list[str] | None, models: dict[str, str | None], data_flag: str = "--dataset",
+                 prefix_sharing: bool = False) -> None:
+    """Before Ray, DeepSpeed or a model load: every model flag's config loads and names a family that packs exactly
+    (``models.families``), and every local ``data_flag`` dataset can be read.
 
     Raises DataError or ModelLoadError, whose messages name the flag.
     """
     from openpack.data.loading import check_dataset_files
+    from openpack.models.families import check_model_family
     from openpack.models.loading import load_model_config
 
-    if datasets:
-        check_dataset_files(datasets, data_flag)
     for flag, name in models.items():
         if name is not None:
-            load_model_config(name, flag)
+            check_model_family(load_model_config(name, flag), flag, prefix_sharing)
+    if datasets:
+        check_dataset_files(datasets, data_flag)
 
 
 def announce(command: str, cfg: RunConfig, demo_notice: str | None) -> None:

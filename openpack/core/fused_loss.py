@@ -13,7 +13,8 @@ so the forward computes the logits once, the loss, and the gradients of the hidd
 backward only scales them by the incoming gradient (Liger-Kernel's fused linear losses make the same trade).
 The cost: a chunk holds whole groups, so a DPO chunk is at least one pair's label tokens whatever
 ``chunk_tokens`` says, and the head's gradient is held from the forward to the backward. Online RL is not covered:
-its token-level losses and entropy bonus need more than a per-segment sum.
+its token-level losses and entropy bonus need more than a per-segment sum. A softcapped head (Gemma-2/3's
+``final_logit_softcapping``) multiplies grad_logits by the cap's slope, one more chunk-sized buffer.
 
     chunk (whole pairs)     logits = hidden @ W.T (once) -> log p(label) -> segment sums -> d loss / d sums
                             grad_logits -> grad_hidden = grad_logits @ W,  grad_W += grad_logits.T @ hidden
@@ -27,7 +28,7 @@ from typing import Callable
 import torch
 
 from openpack.core.batch import host_to_device, label_positions
-from openpack.core.logprobs import default_chunk_tokens
+from openpack.core.logprobs import chunk_logits, default_chunk_tokens
 
 
 @dataclass
@@ -75,18 +76,19 @@ class _FusedSegmentLoss(torch.autograd.Function):
     """(loss, segment sums) from hidden [N, H], the head [V, H] and labels [N]; gradients made in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, segments, num_segments, chunks, loss_of_sums):
+    def forward(ctx, hidden, weight, labels, segments, num_segments, chunks, loss_of_sums, softcap=None):
         sums = torch.zeros(num_segments, dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+        needs_grad = grad_hidden is not None or grad_weight is not None
         for start, end in chunks:
             rows, chunk_labels, chunk_segments = hidden[start:end], labels[start:end, None], segments[start:end]
-            logits = (rows @ weight.T).float()
+            logits, slope = chunk_logits(rows, weight, softcap, slope=needs_grad)
             picked = logits.gather(1, chunk_labels)[:, 0]
             peak = logits.amax(dim=-1, keepdim=True)
             total = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True)
             sums.index_add_(0, chunk_segments, picked - peak[:, 0] - total[:, 0].log())
-            if grad_hidden is None and grad_weight is None:
+            if not needs_grad:
                 continue
             # The chunk's groups are whole, so their sums are final and so is the loss's gradient for them.
             with torch.enable_grad():
@@ -95,6 +97,8 @@ class _FusedSegmentLoss(torch.autograd.Function):
             g = grad_sums[chunk_segments]
             grad = logits.div_(total).mul_(-g[:, None])  # -g * softmax, in the logits' buffer
             grad.scatter_add_(1, chunk_labels, g[:, None])
+            if slope is not None:  # through the softcap: d capped / d logits = 1 - tanh^2
+                grad.mul_(slope)
             if grad_weight is not None:
                 grad_weight.addmm_(grad.T, rows.float())
             if grad_hidden is not None:
@@ -112,17 +116,19 @@ class _FusedSegmentLoss(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)  # once_differentiable: scaled in place
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def fused_segment_loss(hidden: torch.Tensor, weight: torch.Tensor, segment_ids: torch.Tensor, labels: torch.Tensor,
                        num_segments: int, fused: FusedLoss, chunk_tokens: int | None = None,
-                       sources: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       sources: torch.Tensor | None = None,
+                       softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, per-segment sums of label log-probs [S], no gradient) of one batch; the loss backpropagates.
 
     hidden [T, H] (any leading shape), weight [V, H], segment_ids and labels [T] flattened like the hidden rows;
     ``chunk_tokens``: the chunk budget (default: 2^26 logits, as the chunked log-probs); ``sources`` (prefix
-    sharing, ``PackedBatch.label_source``) names the hidden row each label is predicted from.
+    sharing, ``PackedBatch.label_source``) names the hidden row each label is predicted from; ``softcap``: the
+    model's ``final_logit_softcapping`` (logits capped to ``softcap * tanh(logits / softcap)``), None for a plain head.
     """
     positions, chunks = plan_fused_chunks(fused.labels, fused.groups,
                                           chunk_tokens or default_chunk_tokens(weight.shape[0]))
@@ -130,4 +136,5 @@ def fused_segment_loss(hidden: torch.Tensor, weight: torch.Tensor, segment_ids: 
     hidden = hidden.reshape(-1, hidden.shape[-1])
     rows = positions if sources is None else sources.reshape(-1)[positions]
     return _FusedSegmentLoss.apply(hidden[rows], weight, labels.reshape(-1)[positions],
-                                   segment_ids.reshape(-1)[positions], num_segments, chunks, fused.loss_of_sums)
+                                   segment_ids.reshape(-1)[positions], num_segments, chunks, fused.loss_of_sums,
+                                   softcap)

@@ -35,21 +35,23 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
     """log_softmax(hidden @ weight.T)[label], chunk by chunk; backward recomputes each chunk.
 
     d logp_t / d logits_t = onehot(label_t) - softmax(logits_t), so the
-    backward needs only the chunk's logits, never the whole [N, V] block.
+    backward needs only the chunk's logits, never the whole [N, V] block. With a
+    ``softcap`` the logits are capped (``chunk_logits``) and the gradient is scaled
+    by the cap's slope, one more chunk-sized buffer in the backward.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, entropy_out=None):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, entropy_out=None, softcap=None):
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = start + chunk_tokens
-            logits = (hidden[start:end] @ weight.T).float()
+            logits, _ = chunk_logits(hidden[start:end], weight, softcap)
             picked = logits.gather(1, labels[start:end, None])[:, 0]
             if entropy_out is not None:  # H = lse - sum(p * logits), from the chunk already in memory
                 entropy_out[start:end] = _entropy(logits)
             out[start:end] = picked - _logsumexp_(logits)
         ctx.save_for_backward(hidden, weight, labels)
-        ctx.chunk_tokens = chunk_tokens
+        ctx.chunk_tokens, ctx.softcap = chunk_tokens, softcap
         return out
 
     @staticmethod
@@ -59,16 +61,34 @@ class _ChunkedLabelLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             end = start + ctx.chunk_tokens
-            logits = (hidden[start:end] @ weight.T).float()
+            logits, slope = chunk_logits(hidden[start:end], weight, ctx.softcap, slope=True)
             grad = _softmax_(logits).mul_(-grad_out[start:end, None])  # fp32, in the logits' buffer
             grad.scatter_add_(1, labels[start:end, None], grad_out[start:end, None])
+            if slope is not None:
+                grad.mul_(slope)
             if grad_weight is not None:
                 grad_weight.addmm_(grad.T, hidden[start:end].float())  # no [V, H] temporary per chunk
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad.to(hidden.dtype) @ weight
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None = None,
+                 slope: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 logits [N, V] of hidden [N, H] through the head [V, H], and their slope d logits / d (hidden @ weight.T).
+
+    ``softcap`` (Gemma-2/3's ``final_logit_softcapping``) caps them to ``softcap * tanh(logits / softcap)`` in place;
+    with ``slope`` the slope ``1 - tanh^2`` is a second chunk-sized buffer. No cap, or no ``slope``: the slope is None.
+    """
+    logits = (hidden @ weight.T).float()
+    if softcap is None:
+        return logits, None
+    tanh = logits.div_(softcap).tanh_()
+    if not slope:
+        return tanh.mul_(softcap), None
+    return tanh * softcap, tanh.square_().neg_().add_(1)
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -99,8 +119,9 @@ def token_logprobs(
     entropy: torch.Tensor | None = None,
     sources: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Log-prob of each label under ``softmax(hidden @ weight.T)``.
+    """Log-prob of each label under ``softmax(logits)``, logits = ``hidden @ weight.T`` (capped with ``softcap``).
 
     hidden: [T, H]; weight: [V, H] (the LM head); labels: [T] with
     IGNORE_INDEX where there is nothing to predict. Returns [T] fp32, 0.0 at
@@ -110,6 +131,7 @@ def token_logprobs(
     second projection. ``sources`` ([T] int64, prefix sharing: ``PackedBatch.label_source``) names the
     hidden row each label is predicted from; None: its own row. ``positions`` ([N] int64, optional:
     ``PackedBatch.label_positions``) are where the labels are, found on the host; None: found here.
+    ``softcap``: the model's ``final_logit_softcapping`` (Gemma-2/3), None for a plain head.
     """
     labels = labels.reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -118,7 +140,8 @@ def token_logprobs(
         positions = label_positions(labels)
     picked_entropy = None if entropy is None else torch.zeros(positions.numel(), device=hidden.device)
     rows = positions if sources is None else sources.reshape(-1)[positions]
-    picked = _ChunkedLabelLogprobs.apply(hidden[rows], weight, labels[positions], chunk_tokens, picked_entropy)
+    picked = _ChunkedLabelLogprobs.apply(hidden[rows], weight, labels[positions], chunk_tokens, picked_entropy,
+                                         softcap)
     if entropy is not None:
         entropy.zero_().index_put_((positions,), picked_entropy)
     out = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)

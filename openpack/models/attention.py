@@ -14,6 +14,13 @@ first backend that is available:
 backend. Without ``cu_seq_lens_q`` (generation, evaluation, padded batches) it
 is plain transformers SDPA, so the same model object also generates.
 
+Attention logit softcapping (Gemma-2's ``attn_logit_softcapping``, the
+``softcap`` keyword): flash-attn >= 2.6 applies it in its kernel; SDPA has
+none, so there the scores are materialised and capped explicitly, [n, H, L, L]
+per length group (the CPU reference; slower than SDPA); torch's varlen_attn has
+none, so "auto" does not pick it for a softcapped model and
+``--attn_backend torch_varlen`` refuses one.
+
 Prefix sharing (``shared_prefix`` in the keyword arguments; see
 ``core.batch.SharedPrefix``): a pair laid out prompt | chosen | rejected runs
 as two varlen calls on every backend. First, every row but the rejected ones,
@@ -69,17 +76,18 @@ def set_attention_backend(name: str) -> None:
     _requested = name
 
 
-def resolve_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The backend a packed forward on ``device`` in ``dtype`` uses now.
+def resolve_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16, softcap: bool = False) -> str:
+    """The backend a packed forward on ``device`` in ``dtype`` uses now (``softcap``: attention logit softcapping).
 
-    The fused varlen kernels run in fp16/bf16 only, so "auto" keeps fp32 on SDPA.
+    The fused varlen kernels run in fp16/bf16 only, so "auto" keeps fp32 on SDPA; torch's ``varlen_attn`` has no
+    softcap, so "auto" keeps a softcapped model (Gemma-2) off it.
     """
     if _requested != "auto":
         return _requested
     fused = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if fused and _flash_attn_installed():
         return "flash_attn"
-    if fused and _torch_varlen_available():
+    if fused and _torch_varlen_available() and not softcap:
         return "torch_varlen"
     return "sdpa"
 
@@ -104,36 +112,36 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed rows have batch size 1, got query of shape {tuple(query.shape)}")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("openpack_varlen attention does not support attention logit softcapping")
-    backend = resolve_backend(query.device, query.dtype)
+    softcap = kwargs.get("softcap")  # Gemma-2's attn_logit_softcapping: scores = softcap * tanh(scores / softcap)
+    backend = resolve_backend(query.device, query.dtype, softcap is not None)
     if backend not in _logged:
         _logged.add(backend)
-        logger.info("packed attention backend: %s (%s, %s)", backend, query.device, query.dtype)
+        logger.info("packed attention backend: %s (%s, %s%s)", backend, query.device, query.dtype,
+                    ", softcapped attention" if softcap is not None else "")
     window = kwargs.get("sliding_window")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    groups = query.shape[1] // key.shape[1]  # query heads per KV head (GPT-NeoX's attention names no such field)
     shared = kwargs.get("shared_prefix")
     if shared is not None:
-        out = _shared_prefix_attention(backend, q, k, v, shared, scaling, dropout, window, module.num_key_value_groups)
+        out = _shared_prefix_attention(backend, q, k, v, shared, scaling, dropout, window, groups, softcap)
         return out[None], None
-    out = _KERNELS[backend](
-        q, k, v, cu_seqlens, int(kwargs["max_length_q"]), scaling, dropout, window, module.num_key_value_groups
-    )
+    out = _KERNELS[backend](q, k, v, cu_seqlens, int(kwargs["max_length_q"]), scaling, dropout, window, groups,
+                            softcap)
     return out[None], None  # [1, T, Hq, D], as transformers' backends return
 
 
-def _shared_prefix_attention(backend, q, k, v, shared, scale, dropout, window, groups):
+def _shared_prefix_attention(backend, q, k, v, shared, scale, dropout, window, groups, softcap=None):
     """The two passes of ``core.batch.SharedPrefix``: main segments, then later responses over prompt + self."""
     rows = shared.main_rows
     main = _KERNELS[backend](_gather(q, rows), _gather(k, rows), _gather(v, rows),
-                             shared.main_cu_seqlens, shared.main_max_seqlen, scale, dropout, window, groups)
+                             shared.main_cu_seqlens, shared.main_max_seqlen, scale, dropout, window, groups, softcap)
     if shared.cross_rows.numel() == 0:
         return _gather(main, shared.restore)
     keys = shared.cross_keys
     cross = _CROSS_KERNELS[backend](
         _gather(q, shared.cross_rows), _gather(k, keys), _gather(v, keys),
         shared.cross_cu_seqlens_q, shared.cross_cu_seqlens_k, shared.cross_max_seqlen_q, shared.cross_max_seqlen_k,
-        scale, dropout, window, groups,
+        scale, dropout, window, groups, softcap,
     )
     return _gather(torch.cat([main, cross]), shared.restore)
 
@@ -161,23 +169,25 @@ class _Gather(torch.autograd.Function):
 _gather = _Gather.apply
 
 
-def _flash_attn_cross(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, _groups):
+def _flash_attn_cross(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, _groups, softcap=None):
     from flash_attn import flash_attn_varlen_func
 
-    # With fewer queries than keys, flash-attn >= 2.1 aligns causal (and the window) to the bottom-right corner.
+    # flash-attn handles GQA natively; window (left, right) keeps keys in [i - left, i]. With fewer queries than
+    # keys, flash-attn >= 2.1 aligns causal (and the window) to the bottom-right corner.
     window_size = (window - 1, 0) if window else (-1, -1)
+    capped = {"softcap": softcap} if softcap is not None else {}  # flash-attn >= 2.6; older ones lack the argument
     return flash_attn_varlen_func(
         q, k, v, cu_q, cu_k, max_q, max_k,
-        dropout_p=dropout, softmax_scale=scale, causal=True, window_size=window_size,
+        dropout_p=dropout, softmax_scale=scale, causal=True, window_size=window_size, **capped,
     )
 
 
-def _torch_varlen_cross(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups):
+def _torch_varlen_cross(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups, softcap=None):
     # FlashAttention-2 underneath: causal and the window align to the bottom-right corner, as in flash-attn.
-    return _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups)
+    return _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups, softcap)
 
 
-def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups):
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, groups, softcap=None):
     """Causal ``varlen_attn`` across the signatures PyTorch has shipped.
 
     torch 2.10 takes ``is_causal`` and neither ``scale`` nor ``window_size``;
@@ -190,6 +200,10 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, dropout, window, gro
 
     if dropout:
         raise ValueError("torch_varlen attention has no dropout; use flash_attn or set attention_dropout=0")
+    if softcap is not None:
+        raise ValueError("--attn_backend torch_varlen: torch's varlen_attn has no attention logit softcapping "
+                         "(the model's attn_logit_softcapping); use --attn_backend flash_attn (flash-attn >= 2.6) "
+                         "or --attn_backend sdpa")
     params = _varlen_parameters()
     kwargs = {}
     if groups > 1:
@@ -219,7 +233,7 @@ def _varlen_parameters() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _sdpa_cross(q, k, v, cu_q, cu_k, _max_q, _max_k, scale, dropout, window, groups):
+def _sdpa_cross(q, k, v, cu_q, cu_k, _max_q, _max_k, scale, dropout, window, groups, softcap=None):
     """SDPA of each response (queries) over its prompt's keys and its own, with a bottom-right causal mask.
 
     Responses of the same (query, key) lengths share one batched call, as ``_sdpa_kernel`` batches segments of
@@ -240,8 +254,11 @@ def _sdpa_cross(q, k, v, cu_q, cu_k, _max_q, _max_k, scale, dropout, window, gro
             qs = q[q_index].transpose(1, 2)  # [n, H, queries, D]
             ks, vs = (x[k_index].transpose(1, 2) for x in (k, v))
         mask = _bottom_right_mask(queries, keys, window, q.device)
-        attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                                  enable_gqa=groups > 1)
+        if softcap is not None:  # SDPA has no softcap
+            attended = _softcapped_attention(qs, ks, vs, mask, scale, dropout, softcap)
+        else:
+            attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                                      enable_gqa=groups > 1)
         outputs.append(attended.transpose(1, 2).reshape(-1, *attended.shape[1:2], attended.shape[-1]))
         order.append(q_index.reshape(-1))
     order = torch.cat(order)
@@ -257,22 +274,17 @@ def _bottom_right_mask(queries: int, keys: int, window: int | None, device) -> t
     return (distance >= 0) & (distance < window) if window else distance >= 0
 
 
-def _flash_attn_kernel(q, k, v, cu_seqlens, max_seqlen, scale, dropout, window, _groups):
-    from flash_attn import flash_attn_varlen_func
-
-    # flash-attn handles GQA natively; window (left, right) keeps keys in [i - left, i].
-    window_size = (window - 1, 0) if window else (-1, -1)
-    return flash_attn_varlen_func(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-        dropout_p=dropout, softmax_scale=scale, causal=True, window_size=window_size,
-    )
+def _flash_attn_kernel(q, k, v, cu_seqlens, max_seqlen, scale, dropout, window, groups, softcap=None):
+    return _flash_attn_cross(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, dropout, window, groups,
+                             softcap)
 
 
-def _torch_varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scale, dropout, window, groups):
-    return _torch_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, dropout, window, groups)
+def _torch_varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scale, dropout, window, groups, softcap=None):
+    return _torch_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale, dropout, window, groups,
+                         softcap)
 
 
-def _sdpa_kernel(q, k, v, cu_seqlens, _max_seqlen, scale, dropout, window, groups):
+def _sdpa_kernel(q, k, v, cu_seqlens, _max_seqlen, scale, dropout, window, groups, softcap=None):
     """Causal SDPA per segment, one batched call per distinct segment length.
 
     Rows of short samples repeat few lengths (the demo task: 3 lengths in 64
@@ -295,14 +307,38 @@ def _sdpa_kernel(q, k, v, cu_seqlens, _max_seqlen, scale, dropout, window, group
     outputs = []
     for (n, length, _), qs, ks, vs in zip(blocks, *(x.index_select(0, order).split(sizes) for x in (q, k, v))):
         qs, ks, vs = (x.reshape(n, length, *x.shape[1:]).transpose(1, 2) for x in (qs, ks, vs))  # [n, H, L, D]
-        mask = _sliding_causal_mask(length, window, q.device) if window and window < length else None
-        attended = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scale, enable_gqa=groups > 1
-        )
+        if softcap is not None:  # SDPA has no softcap
+            mask = _bottom_right_mask(length, length, window, q.device)
+            attended = _softcapped_attention(qs, ks, vs, mask, scale, dropout, softcap)
+        else:
+            mask = _sliding_causal_mask(length, window, q.device) if window and window < length else None
+            attended = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scale,
+                enable_gqa=groups > 1,
+            )
         outputs.append(attended.transpose(1, 2).reshape(n * length, *attended.shape[1:2], attended.shape[-1]))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=q.device)
     return torch.cat(outputs).index_select(0, inverse)
+
+
+def _softcapped_attention(q, k, v, mask, scale, dropout, softcap):
+    """Attention with a logit softcap, which SDPA lacks: q [..., Hq, Lq, D], k and v [..., Hkv, Lk, D] -> like q.
+
+    As transformers' Gemma-2 eager attention: scores = softcap * tanh(q @ k.T * scale / softcap), then ``mask``
+    (bool, True = attend; or an additive float mask), softmax in fp32; query head h reads KV head h // (Hq / Hkv).
+    """
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:
+        k, v = (x.repeat_interleave(groups, dim=-3) for x in (k, v))
+    scores = (q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)).div(softcap)
+    scores = scores.tanh().mul(softcap)
+    if mask.dtype == torch.bool:  # the dtype's minimum, not -inf: a fully masked (padding) row stays finite
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    weights = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return (F.dropout(weights, dropout) if dropout else weights) @ v
 
 
 def _sliding_causal_mask(length: int, window: int, device) -> torch.Tensor:
@@ -312,7 +348,8 @@ def _sliding_causal_mask(length: int, window: int, device) -> torch.Tensor:
 
 
 def _unpacked_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    """Plain SDPA for rows without ``cu_seq_lens_q`` (generation, evaluation, padded batches)."""
+    """Plain SDPA for rows without ``cu_seq_lens_q`` (generation, evaluation, padded batches); explicit with a
+    ``softcap``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     length = query.shape[2]
@@ -326,6 +363,12 @@ def _unpacked_attention(module, query, key, value, attention_mask, dropout, scal
         window = kwargs.get("sliding_window")
         if window and window < length:  # our mask hook returned None; the window still applies
             attention_mask = _sliding_causal_mask(length, window, query.device)[None, None]
+    softcap = kwargs.get("softcap")
+    if softcap is not None:  # transformers' SDPA ignores it without a word
+        if attention_mask is None:  # causal; a single query (decoding) sees every key
+            attention_mask = _bottom_right_mask(length, key.shape[2], None, query.device)
+        out = _softcapped_attention(query, key, value, attention_mask, scaling, dropout, softcap)
+        return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 

@@ -8,11 +8,9 @@ from pathlib import Path
 import torch
 
 from openpack.models.attention import register_packed_attention
+from openpack.models.errors import ModelLoadError
+from openpack.models.families import check_model_family
 from openpack.models.memory import mark_memory
-
-
-class ModelLoadError(ValueError):
-    """--pretrain (or --ref_pretrain, ...) names nothing loadable; the message says which flag and what was tried."""
 
 
 def _check_source(pretrain: str, flag: str) -> None:
@@ -60,18 +58,22 @@ def load_tokenizer(pretrain: str):
 
 
 def load_causal_lm(pretrain: str, bf16: bool = False, gradient_checkpointing: bool = False, flag: str = "--pretrain",
-                   load_in_4bit: bool = False):
+                   load_in_4bit: bool = False, aux_loss_coef: float | None = None):
     """``AutoModelForCausalLM.from_pretrained`` with ``attn_implementation="openpack_varlen"``; errors name ``flag``.
 
-    ``load_in_4bit``: QLoRA's frozen 4-bit base on this process's GPU (``models.lora``)."""
+    ``load_in_4bit``: QLoRA's frozen 4-bit base on this process's GPU (``models.lora``). ``aux_loss_coef``
+    (``--aux_loss_coef``) sets the config's ``router_aux_loss_coef`` (saved with the model)."""
     from transformers import AutoModelForCausalLM
 
+    check_model_family(load_model_config(pretrain, flag), flag)  # library callers too: refused before the weights
     mark_memory(f"before loading {flag}")
     model = _from_pretrained(
         AutoModelForCausalLM, pretrain, "model", flag,
         attn_implementation=register_packed_attention(), dtype=torch.bfloat16 if bf16 else torch.float32,
         **quantized(load_in_4bit, bf16),
     )
+    if aux_loss_coef is not None:
+        model.config.router_aux_loss_coef = aux_loss_coef
     mark_memory(f"{flag} loaded")
     return prepare_for_training(model, gradient_checkpointing)
 

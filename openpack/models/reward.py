@@ -36,8 +36,10 @@ from pathlib import Path
 import torch
 
 from openpack.core.batch import PackedBatch, last_token_index
-from openpack.models.loading import ModelLoadError, _from_pretrained, prepare_for_training, quantized
-from openpack.models.packed import packed_forward
+from openpack.models.families import check_model_family
+from openpack.models.loading import (ModelLoadError, _from_pretrained, load_model_config, prepare_for_training,
+                                     quantized)
+from openpack.models.packed import packed_forward, padded_forward
 
 HEAD = "score"  # transformers' name for the head of every *ForSequenceClassification
 
@@ -59,8 +61,7 @@ def hidden_states(model, batch) -> torch.Tensor:
     right-padded rows, attention masked) flattened to [B * L, H]."""
     if isinstance(batch, PackedBatch):
         return packed_forward(model, batch)
-    output = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    return output.last_hidden_state.flatten(0, 1)
+    return padded_forward(model, batch).flatten(0, 1)
 
 
 class PackedValueModel(torch.nn.Module):
@@ -92,9 +93,8 @@ def describe_model(config) -> str:
 
 def check_reward_model(pretrain: str, flag: str = "--reward_pretrain") -> None:
     """A folder saved as a one-label sequence classifier (a reward model), else a ModelLoadError naming ``flag``."""
-    from openpack.models.loading import load_model_config
-
     config = load_model_config(pretrain, flag)
+    check_model_family(config, flag)
     heads = [a for a in (config.architectures or []) if a.endswith("ForSequenceClassification")]
     if not heads or config.num_labels != 1:
         raise ModelLoadError(f"{flag} {pretrain}: not a reward model: it is {describe_model(config)}, but a reward "
@@ -115,6 +115,7 @@ def load_reward_model(pretrain: str, bf16: bool = False, gradient_checkpointing:
 
     from openpack.models.attention import register_packed_attention
 
+    check_model_family(load_model_config(pretrain, flag), flag)
     with _HeldReport() as report:  # transformers' load report; shown below unless all it says is expected
         model, info = _from_pretrained(AutoModelForSequenceClassification, pretrain, "reward model", flag,
                                        num_labels=1, attn_implementation=register_packed_attention(),

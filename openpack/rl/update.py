@@ -23,30 +23,34 @@ from openpack.rl.experience import (StepParts, advantages, in_batch_order, respo
 from openpack.rl.settings import RLSettings
 from openpack.trainers.batching import MicroBatcher
 from openpack.trainers.metrics import DeviceSums, StepMetrics, read_together
+from openpack.trainers.router_aux import RouterAux
 
 
-def accumulated_step(engine, batcher: MicroBatcher, micro_batches: list[list[int]], dist: DistInfo, loss_and_stats,
+def accumulated_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo, loss_and_stats,
                      names: tuple[str, ...], finish, norm_name: str = "grad_norm") -> StepMetrics:
-    """One optimizer step of ``engine`` over ``micro_batches`` (sample ids; a rollout sample is one segment):
+    """One optimizer step of ``engine`` over ``step.micro_batches`` (sample ids; a rollout sample is one segment):
     ``loss_and_stats(batch, ids)`` gives the micro-batch's share of the step's loss and one number per ``names``
     after ``loss``, summed on the device; each share is backpropagated (DeepSpeed's mean over ranks undone by the
-    world size, as in SFT) and the optimizer steps at the last. Returns the step's metrics, unread: ``finish`` of
-    the sums over every rank, and the grad norm as ``norm_name`` (``trainers/metrics.py``); nothing here waits for
-    the device."""
-    sums, grad_norm = DeviceSums(("loss", *names), dist.device), 0.0
-    batches = batcher.collate(micro_batches)
-    for index, (batch, ids) in enumerate(zip(batches, micro_batches)):
+    world size, as in SFT) and the optimizer steps at the last; an MoE policy adds its router load-balancing loss
+    (``trainers/router_aux.py``; the critic never does). Returns the step's metrics, unread: ``finish`` of the sums
+    over every rank, and the grad norm as ``norm_name`` (``trainers/metrics.py``); nothing here waits for the
+    device."""
+    router_aux = RouterAux(engine, step.real_tokens)
+    sums, grad_norm = DeviceSums(("loss", *names, *router_aux.names), dist.device), 0.0
+    batches = batcher.collate(step.micro_batches)
+    for index, (batch, ids) in enumerate(zip(batches, step.micro_batches)):
         last = index == len(batches) - 1
         engine.set_gradient_accumulation_boundary(last)
         loss, numbers = loss_and_stats(batch.to(dist.device), ids)
-        engine.backward(loss * dist.world_size)
+        aux_loss, aux_sums = router_aux.term(batch.num_tokens)  # the host batch: no device sync
+        engine.backward((loss + aux_loss) * dist.world_size)
         if last:
             grad_norm = optimizer_step(engine)
             grad_norm = grad_norm.clone() if isinstance(grad_norm, torch.Tensor) else grad_norm  # next step's own
         else:
             engine.step()
-        sums.add(loss, *numbers)
-    return StepMetrics(sums, finish, {norm_name: grad_norm})
+        sums.add(loss, *numbers, *aux_sums)
+    return StepMetrics(sums, lambda totals: {**finish(totals), **router_aux.metrics(totals)}, {norm_name: grad_norm})
 
 
 def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:
@@ -78,7 +82,7 @@ def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInf
                 "vllm_logp_diff": sums["mismatch"] / tokens,
                 **({"kl_loss": sums["kl"] / tokens} if settings.use_kl_loss else {})}
 
-    return accumulated_step(parts.engine, parts.batcher, step.micro_batches, dist, loss_and_stats,
+    return accumulated_step(parts.engine, parts.batcher, step, dist, loss_and_stats,
                             ("clipped", "tis_clipped", "entropy", "mismatch", "kl", "tokens"), finish)
 
 
@@ -97,7 +101,7 @@ def critic_update(parts: StepParts, step: RankStep, settings: RLSettings, dist: 
         return {"critic_loss": sums["loss"], "value_clip_ratio": sums["clipped"] / tokens,
                 "values": sums["values"] / tokens}
 
-    return accumulated_step(parts.critic, parts.batcher, step.micro_batches, dist, loss_and_stats,
+    return accumulated_step(parts.critic, parts.batcher, step, dist, loss_and_stats,
                             ("clipped", "values", "tokens"), finish, "critic_grad_norm")
 
 

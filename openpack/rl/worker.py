@@ -124,7 +124,8 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
     model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing,
-                           load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
+                           load_in_4bit=model_cfg.load_in_4bit,
+                           aux_loss_coef=model_cfg.aux_loss_coef).to(dist.device)
     model = apply_lora(model, model_cfg)
     cfg = with_row_cap(cfg, model, dist)
     train_cfg = cfg.train

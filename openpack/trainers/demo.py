@@ -61,7 +61,8 @@ def tokenizer_and_model(model_cfg, seed: int):
     if model_cfg.pretrain is not None:
         tokenizer = load_tokenizer(model_cfg.pretrain)
         return tokenizer, load_causal_lm(model_cfg.pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing,
-                                         load_in_4bit=model_cfg.load_in_4bit)
+                                         load_in_4bit=model_cfg.load_in_4bit,
+                                         aux_loss_coef=model_cfg.aux_loss_coef)
     tokenizer = build_demo_tokenizer()
     dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
     model = tiny_causal_lm("llama", seed=seed, dtype=dtype, vocab_size=len(tokenizer), **DEMO_MODEL).train()

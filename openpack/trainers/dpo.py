@@ -9,6 +9,8 @@ step's pairs whatever the packing, micro-batch layout or world size (the
 normalisation TRL applies to one batch, and OpenRLHF per micro-batch).
 With ``--fused_loss`` the engine returns that loss from the LM head directly,
 each pair's logits computed once (``core/fused_loss.py``); the numbers are the same.
+An MoE policy adds its router load-balancing loss, each micro-batch's weighted by
+its tokens (``trainers/router_aux.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo
 from openpack.trainers.batching import MicroBatcher, step_metrics
 from openpack.trainers.metrics import DeviceSums, StepMetrics
+from openpack.trainers.router_aux import RouterAux
 
 STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
          "logps/chosen", "logps/rejected")
@@ -76,12 +79,13 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
     chosen_tokens = step.label_tokens[-2]  # a pair's segments: (chosen, rejected), or (prompt, chosen, rejected)
     params = dataclasses.replace(objective.params, sft_tokens_per_pair=chosen_tokens / pairs)
     micro_batches = batcher.collate(step.micro_batches)
-    sums, grad_norm = DeviceSums(STATS, dist.device), None
+    router_aux = RouterAux(engine, step.real_tokens)
+    sums, grad_norm = DeviceSums(STATS + router_aux.names, dist.device), None
     scale = dist.world_size / pairs
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
-        table, host_batch = PairTable(batch, dist.device), batch
+        table, host_batch, tokens = PairTable(batch, dist.device), batch, batch.num_tokens
         batch = batch.to(dist.device)
         ref_sums = None if objective.reference is None else objective.reference.segment_sums(batch).to(dist.device)
 
@@ -97,9 +101,10 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
         else:
             logps, losses = evaluate(segment_logprobs(batch, engine(batch)).sum)
             loss = losses.sum() * scale
-        engine.backward(loss)
+        aux_loss, aux_sums = router_aux.term(tokens)  # after the policy's forward, not the reference's
+        engine.backward(loss + aux_loss * dist.world_size)
         grad_norm = optimizer_step(engine) if last else engine.step()
-        sums.add(*pair_stats(logps, losses, objective.params.beta))
-    return step_metrics(step, engine, grad_norm, sums,
-                        lambda totals: {**{name: totals[name] / pairs for name in STATS}, "pairs": pairs},
-                        start, {"pairs_per_s": pairs})
+        sums.add(*pair_stats(logps, losses, objective.params.beta), *aux_sums)
+    return step_metrics(step, engine, grad_norm, sums, lambda totals: {
+        **{name: totals[name] / pairs for name in STATS}, "pairs": pairs, **router_aux.metrics(totals)},
+        start, {"pairs_per_s": pairs})

@@ -61,7 +61,7 @@ def run_dpo(cfg, demo_model=None, save_config=None, reference_group=None, plan: 
     pretrain = model_cfg.pretrain or str(demo_model)
     tokenizer = load_tokenizer(pretrain)
     model = load_causal_lm(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing,
-                           load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
+                           load_in_4bit=model_cfg.load_in_4bit, aux_loss_coef=model_cfg.aux_loss_coef).to(dist.device)
     model = apply_lora(model, model_cfg)  # before the memory check: under LoRA only the adapters train
     own_reference = bool(model_cfg.lora_rank) and not dpo_cfg.ref_pretrain  # LoRA: the base is the reference
     colocated = needs_reference(dpo_cfg.losses()[0]) and reference_group is None and dpo_cfg.ref_logps_cache is None \

@@ -8,7 +8,8 @@ any number or size of micro-batches and any world size (the invariance tests
 check packed == padded, 1x8 == 8x1 and 1 == 2 ranks). Weighting micro-batches
 equally instead is the bug of verl #5625. With ``--fused_loss`` the engine
 returns that loss from the LM head directly, each chunk's logits computed once
-(``core/fused_loss.py``); the numbers are the same.
+(``core/fused_loss.py``); the numbers are the same. An MoE model adds its router
+load-balancing loss, each micro-batch's weighted by its tokens (``trainers/router_aux.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from openpack.distributed.process import DistInfo
 from openpack.core.schedule import RankStep
 from openpack.trainers.batching import MicroBatcher, step_metrics
 from openpack.trainers.metrics import DeviceSums, StepMetrics
+from openpack.trainers.router_aux import RouterAux
 
 
 def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo, fused: bool = False) -> StepMetrics:
@@ -29,11 +31,12 @@ def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo, fu
     start = time.perf_counter()
     (denominator,) = step.label_tokens  # the step's loss tokens over every rank, from the plan
     micro_batches = batcher.collate(step.micro_batches)
-    sums, grad_norm = DeviceSums(("nll",), dist.device), None
+    router_aux = RouterAux(engine, step.real_tokens)
+    sums, grad_norm = DeviceSums(("nll", *router_aux.names), dist.device), None
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
-        host_labels = batch.labels
+        host_labels, tokens = batch.labels, batch.num_tokens
         batch = batch.to(dist.device)
         if fused:  # the NLL is linear in the segments' sums: chunks may cut anywhere
             loss, segment_sums = engine(batch, fused=FusedLoss(
@@ -42,11 +45,13 @@ def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo, fu
         else:
             nll = -(engine(batch) * batch.loss_mask.reshape(-1)).sum()
             loss = nll * dist.world_size / denominator
-        engine.backward(loss)
+        aux_loss, aux_sums = router_aux.term(tokens)
+        engine.backward(loss + aux_loss * dist.world_size)
         if last:
             grad_norm = optimizer_step(engine)
         else:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
-        sums.add(nll)
+        sums.add(nll, *aux_sums)
     return step_metrics(step, engine, grad_norm, sums, lambda total: {
-        "loss": total["nll"] / denominator, "loss_tokens": denominator, "samples": step.samples}, start)
+        "loss": total["nll"] / denominator, "loss_tokens": denominator, "samples": step.samples,
+        **router_aux.metrics(total)}, start)

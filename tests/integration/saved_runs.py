@@ -57,13 +57,14 @@ def write_pairs(path, n=48, seed=0):
     return str(path)
 
 
-def save_tiny_llama(path, seed, **shape):
-    """A random-init tiny Llama (``shape``: config overrides) and the demo tokenizer, saved like any HF model."""
+def save_tiny_llama(path, seed, arch="llama", **shape):
+    """A random-init tiny Llama (or another ``models.tiny`` arch; ``shape``: config overrides) and the demo
+    tokenizer, saved like any HF model."""
     from openpack.data.demo_tokenizer import build_demo_tokenizer
     from openpack.models.tiny import tiny_causal_lm
 
     tokenizer = build_demo_tokenizer()
-    tiny_causal_lm("llama", seed=seed, vocab_size=len(tokenizer), **shape).save_pretrained(path)
+    tiny_causal_lm(arch, seed=seed, vocab_size=len(tokenizer), **shape).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 

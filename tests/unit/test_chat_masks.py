@@ -137,8 +137,7 @@ def test_prefixes_agree_with_markers_on_the_demo_and_chatml_templates(bpe_tok):
     one (<eos> ends a turn, nothing follows), ChatML (the '\\n' after <|im_end|> is context under both), including
     an answer whose first character merges with the generation prompt's '\\n' ('assistant\\n' + '\\n\\nHi' is
     'assistant', '\\n\\n', '\\n', 'Hi'): the merged token is the first target under both."""
-    from conftest import CHATML_TEMPLATE
-
+    chatml = bpe_tok.chat_template  # conftest's CHATML_TEMPLATE ("from conftest import" can get tests/integration's)
     demo = build_demo_tokenizer()
     marked, by_prefix = marked_and_prefix(demo, demo.chat_template, unmarked(demo.chat_template), DEMO_CONVERSATIONS)
     assert marked == by_prefix and len(marked) == 4
@@ -147,7 +146,7 @@ def test_prefixes_agree_with_markers_on_the_demo_and_chatml_templates(bpe_tok):
     prompt = merging.apply_chat_template(newlines[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
     whole = merging.apply_chat_template(newlines, tokenize=True, return_dict=False)
     assert whole[:len(prompt)] != prompt and merging.decode(whole[len(prompt) - 1]) == "\n\n"  # the merge
-    marked, by_prefix = marked_and_prefix(merging, CHATML_TEMPLATE, unmarked(CHATML_TEMPLATE),
+    marked, by_prefix = marked_and_prefix(merging, chatml, unmarked(chatml),
                                           [CONVERSATION, NO_SYSTEM, newlines])
     assert marked == by_prefix and len(marked) == 3
 
