@@ -14,12 +14,15 @@ alternate over the arms and all use one torch thread (on 2 cores shared
 with other work, two intra-op threads measure the neighbours' stalls, not
 the frameworks: see rm_vs_trl.py).
 
-Four arms: ``openpack`` with its default row cap (no ``--max_tokens_per_gpu``:
-the cap is derived from the model's size and logged, see docs/rl.md),
-``openpack one row`` with ``--max_tokens_per_gpu 16384`` (the default before:
-a whole step's completions in one packed row, fewest forwards, most activation
-memory), ``openpack --prefix_sharing`` (the default cap, each prompt computed
-once per group), and ``TRL`` with its default micro-batch of 8.
+Four arms: ``openpack``, its defaults (the row cap derived from the model's
+size and logged, no ``--max_tokens_per_gpu``; each prompt computed once for its
+group, ``--prefix_sharing`` being the default under ``--packing_samples
+--use_dynamic_batch``; see docs/rl.md), ``openpack unshared`` with
+``--no_prefix_sharing`` (the default before: every completion with its own copy
+of the prompt), ``openpack one row`` with ``--max_tokens_per_gpu 16384
+--no_prefix_sharing`` (the default before that: a whole step's completions in
+one packed row, fewest forwards, most activation memory), and ``TRL`` with its
+default micro-batch of 8.
 
 Two models, because one alone would mislead:
 
@@ -77,8 +80,8 @@ import harness
 from harness import ModelSpec
 
 ONE_ROW = "openpack one row"
-SHARED = "openpack --prefix_sharing"
-OPENPACK_ARMS = ("openpack", ONE_ROW, SHARED)
+UNSHARED = "openpack unshared"
+OPENPACK_ARMS = ("openpack", UNSHARED, ONE_ROW)
 ARMS = (*OPENPACK_ARMS, "TRL")
 SECTION = "grpo_vs_trl"
 # --workload long: issue 26's long-prompt batch, each demo question after few-shot solved lines ("12+30=42\n")
@@ -314,7 +317,8 @@ def openpack_command(args, setup: dict, model: str, save_path: Path, extra: tupl
 
 
 ONE_ROW_TOKENS = 16384  # openpack's fixed default before the automatic cap: a whole step in one packed row
-ARM_FLAGS = {"openpack": (), ONE_ROW: ("--max_tokens_per_gpu", str(ONE_ROW_TOKENS)), SHARED: ("--prefix_sharing",)}
+ARM_FLAGS = {"openpack": (), UNSHARED: ("--no_prefix_sharing",),
+             ONE_ROW: ("--max_tokens_per_gpu", str(ONE_ROW_TOKENS), "--no_prefix_sharing")}
 
 
 def run_openpack(args, setup: dict, model: str, run_dir: Path, env: dict, arm: str) -> dict:
@@ -452,11 +456,12 @@ def setup_text(args, setup: dict, summaries: dict) -> str:
         f"{args.steps} steps per run of which the first is warm-up and not counted. openpack: `--rollout_backend hf` "
         f"(transformers generate in "
         f"the training process), `--packing_samples --use_dynamic_batch --launcher local`; in the arm called "
-        f"openpack no `--max_tokens_per_gpu` (its default: a row cap from the model's size, logged at start: "
-        f"{row_caps_text(summaries, 'openpack')} tokens), in `{ONE_ROW}` `--max_tokens_per_gpu {ONE_ROW_TOKENS}` "
-        f"(the default before that: the whole step in one packed row), in `{SHARED}` the default cap and "
-        f"`--prefix_sharing` (each prompt computed once for its {args.n} completions); the runs of the four arms "
-        f"alternate. TRL: "
+        f"openpack its defaults: no `--max_tokens_per_gpu` (a row cap from the model's size, logged at start: "
+        f"{row_caps_text(summaries, 'openpack')} tokens) and each prompt computed once for its {args.n} "
+        f"completions (`--prefix_sharing`, the default under these flags), in `{UNSHARED}` `--no_prefix_sharing` "
+        f"(the default before: a copy of the prompt per completion), in `{ONE_ROW}` `--max_tokens_per_gpu "
+        f"{ONE_ROW_TOKENS} --no_prefix_sharing` (the default before that: the whole step in one packed row); the "
+        f"runs of the four arms alternate. TRL: "
         f"`GRPOConfig(use_vllm=False, use_cpu=True, bf16=False, gradient_checkpointing="
         f"False, beta=0.0, num_generations={args.n}, max_completion_length={args.max_completion}, "
         f"per_device_train_batch_size={TRL_MICRO_BATCH}, gradient_accumulation_steps="
@@ -554,15 +559,15 @@ def reading(args, summaries: dict) -> str:
     for model, s in summaries.items():
         tokens = statistics.median(s["values"]["tokens_per_step"]["openpack"])
         (cap,) = s["row_caps"]["openpack"][-1:]
-        default, one_row, shared = (median_ratio(s, arm, "training_s") for arm in OPENPACK_ARMS)
+        default, unshared, one_row = (median_ratio(s, arm, "training_s") for arm in OPENPACK_ARMS)
         parts.append(
             f"On `{model}` ({tokens:.0f} real tokens per step) openpack's default caps rows at {cap} tokens (at least "
             f"{math.ceil(tokens / cap)} rows per step, against TRL's "
-            f"{args.prompts_per_step * args.n // TRL_MICRO_BATCH} padded micro-batches): its training takes "
-            f"{default:.2f}x TRL's time and its peak RSS is "
-            f"{median_ratio(s, 'openpack', 'peak_rss_mb'):.2f}x TRL's. The whole step in one row: training "
-            f"{one_row:.2f}x, peak RSS {median_ratio(s, ONE_ROW, 'peak_rss_mb'):.2f}x. With `--prefix_sharing`: "
-            f"training {shared:.2f}x, peak RSS {median_ratio(s, SHARED, 'peak_rss_mb'):.2f}x.")
+            f"{args.prompts_per_step * args.n // TRL_MICRO_BATCH} padded micro-batches) and computes each prompt "
+            f"once for its group: its training takes {default:.2f}x TRL's time and its peak RSS is "
+            f"{median_ratio(s, 'openpack', 'peak_rss_mb'):.2f}x TRL's. Unshared (`--no_prefix_sharing`): training "
+            f"{unshared:.2f}x, peak RSS {median_ratio(s, UNSHARED, 'peak_rss_mb'):.2f}x. The whole step in one "
+            f"unshared row: training {one_row:.2f}x, peak RSS {median_ratio(s, ONE_ROW, 'peak_rss_mb'):.2f}x.")
     parts.append(
         "One row per step trades memory for fewer forwards: its peak RSS grows with the step's tokens, while TRL's "
         "and the default's grow with the micro-batch or row cap. " + (
@@ -593,9 +598,10 @@ def differences(args) -> str:
 * *Experience.* Beta 0 and one optimizer step per rollout: neither framework runs a reference or old-policy
   forward (both take the detached log-probs of the training forward as the old ones), so this phase is the
   reward call and the group-normalised advantages on both sides: milliseconds.
-* *Training.* openpack packs the step's completions (prompt + completion, the loss on the completion) into
-  rows of at most the automatic cap (its default), or {ONE_ROW_TOKENS} tokens (`{ONE_ROW}`: the whole step is
-  one row here), with per-segment attention, one forward and backward per row,
+* *Training.* openpack packs the step's completions (the loss on the completion) into rows of at most the
+  automatic cap (its default), or {ONE_ROW_TOKENS} tokens (`{ONE_ROW}`: the whole step is one row here), each
+  group laid out as prompt | completion | ... with the prompt once (its default) or each completion after its
+  own copy of the prompt (`{UNSHARED}`, `{ONE_ROW}`), with per-segment attention, one forward and backward per row,
   under its DeepSpeed ZeRO-2 engine with torch AdamW. TRL
   runs {completions // TRL_MICRO_BATCH} micro-batches of {TRL_MICRO_BATCH} rows (its default micro-batch),
   each padded to its longest prompt + completion, with a padding mask, through Accelerate with fused torch

@@ -26,7 +26,8 @@ from openpack.models.attention import BACKENDS, resolve_backend, set_attention_b
 from openpack.models.families import check_model_family
 from openpack.models.loading import ModelLoadError
 from openpack.models.tiny import FAMILIES, TINY_ARCHS, tiny_causal_lm, tiny_config
-from openpack.models.verify import packed_vs_unpacked, within_error_budget
+from openpack.models.rope import length_dependent_rope
+from openpack.models.verify import packed_vs_unpacked, shared_vs_unpacked, within_error_budget
 
 CHECKABLE = tuple(dict.fromkeys(TINY_ARCHS + tuple(FAMILIES)))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,6 +44,9 @@ class CheckPackingConfig:
     tolerance: float = arg(1e-5, "allowed max abs error of log-probs and of gradients, relative to their largest "
                                  "magnitude when that exceeds 1")
     seed: int = arg(0, "seed for model weights and tokens")
+    prefix_sharing: bool = arg(True, "also check a prefix-shared row (each prompt once, its completions after it: "
+                                     "--prefix_sharing's layout), groups of a prompt and 3 completions from "
+                                     "--lengths; skipped for rope types that refuse it")
 
     def validate(self):
         unknown = set(self.archs) - set(CHECKABLE)
@@ -65,13 +69,24 @@ def load_checked(arch: str | None, cfg: CheckPackingConfig):
     return tiny_causal_lm(arch, seed=cfg.seed)
 
 
-def check_arch(arch: str | None, cfg: CheckPackingConfig, device: torch.device) -> dict:
+def shared_groups(lengths: list[int]) -> list[tuple[int, list[int]]]:
+    """--lengths as groups of a prompt and up to 3 completions: [7, 13, 1, 20, 5] -> [(7, [13, 1, 20]), (5, [])]."""
+    return [(lengths[i], lengths[i + 1:i + 4]) for i in range(0, len(lengths), 4)]
+
+
+def check_arch(arch: str | None, cfg: CheckPackingConfig, device: torch.device) -> list[dict]:
+    """One result per layout checked: packed segments, then (``--prefix_sharing``) a prefix-shared row."""
     model = load_checked(arch, cfg).to(device)
-    result = {"arch": arch or cfg.pretrain, "device": str(device), "dtype": cfg.dtype,
-              "backend": resolve_backend(device, DTYPES[cfg.dtype])}
-    result.update(packed_vs_unpacked(model, cfg.lengths, seed=cfg.seed, dtype=DTYPES[cfg.dtype]))
-    result["passed"] = within_error_budget(result, cfg.tolerance)
-    return result
+    head = {"arch": arch or cfg.pretrain, "device": str(device), "dtype": cfg.dtype,
+            "backend": resolve_backend(device, DTYPES[cfg.dtype])}
+    results = [{**head, "layout": "packed", **packed_vs_unpacked(model, cfg.lengths, cfg.seed, DTYPES[cfg.dtype])}]
+    groups = [g for g in shared_groups(cfg.lengths) if g[1]]
+    if cfg.prefix_sharing and groups and length_dependent_rope(model.config) is None:
+        results.append({**head, "layout": "prefix_shared",
+                        **shared_vs_unpacked(model, groups, cfg.seed, DTYPES[cfg.dtype])})
+    for result in results:
+        result["passed"] = within_error_budget(result, cfg.tolerance)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,14 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for arch in [] if cfg.pretrain else cfg.archs:  # every family first, before any model is built
             check_model_family(tiny_config(arch), f"--archs {arch}")
-        results = [check_arch(arch, cfg, device) for arch in ([None] if cfg.pretrain else cfg.archs)]
+        results = [r for arch in ([None] if cfg.pretrain else cfg.archs) for r in check_arch(arch, cfg, device)]
     except ModelLoadError as err:
         print(f"openpack check_packing: {err}", file=sys.stderr)
         return 2
     for r in results:
         print(json.dumps(r))
-    failed = [r["arch"] for r in results if not r["passed"]]
+    failed = list(dict.fromkeys(f"{r['arch']} ({r['layout']})" for r in results if not r["passed"]))
     verdict = f"NOT exact for {', '.join(failed)}" if failed else "exact"
-    what = cfg.pretrain or f"{len(results)} architectures"
-    print(f"packed attention on {device} ({cfg.dtype}): {verdict} across {what}")
+    layouts = " and ".join(dict.fromkeys(r["layout"] for r in results))
+    what = cfg.pretrain or f"{len({r['arch'] for r in results})} architectures"
+    print(f"packed attention on {device} ({cfg.dtype}): {verdict} across {what} ({layouts} rows)")
     return 1 if failed else 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from openpack.cli.config import ConfigError, RunConfig, arg
@@ -66,9 +66,12 @@ class RLTrainConfig(TrainConfig):
     max_tokens_per_gpu: int | None = arg(None, "token cap of a packed row under --use_dynamic_batch", at_least=2,
                                          special={None: "from the model's size and the device's memory, logged at "
                                                         "start (docs/rl.md, Row cap)"})
-    prefix_sharing: bool = arg(False, "lay each prompt's completions out as one group prompt | completion | ... in "
-                               "every training-side pass (policy, old policy, reference, critic), the prompt "
-                               "computed once; the steps train the same completions as without it (docs/rl.md, Prefix sharing)")
+    prefix_sharing: bool | None = arg(None, "lay each prompt's completions out as one group prompt | completion | "
+                                      "... in every training-side pass (policy, old policy, reference, critic), the "
+                                      "prompt computed once; the steps train the same completions as without it "
+                                      "(docs/rl.md, Prefix sharing)",
+                                      special={None: "on under --packing_samples --use_dynamic_batch, unless the "
+                                                     "policy's rope frequencies depend on length; off otherwise"})
 
 
 @dataclass
@@ -234,6 +237,22 @@ CONFIGS = PPORunConfig.section_classes()  # the flag groups, in the order config
 GRPO_CONFIGS = GRPORunConfig.section_classes()
 
 
+def with_prefix_sharing(cfg: PPORunConfig) -> PPORunConfig:
+    """``--prefix_sharing`` unset: on where it is exact and possible, under --packing_samples --use_dynamic_batch
+    and for a policy whose rope frequencies do not depend on a sequence's length (``models.rope``). The saved
+    ``config.yaml`` holds the choice, so a resume makes the same one."""
+    train = cfg.train
+    if train.prefix_sharing is not None:
+        return cfg
+    shared = train.packing_samples and train.use_dynamic_batch
+    if shared and cfg.model.pretrain is not None:
+        from openpack.models.loading import load_model_config
+        from openpack.models.rope import length_dependent_rope
+
+        shared = length_dependent_rope(load_model_config(cfg.model.pretrain)) is None
+    return replace(cfg, train=replace(train, prefix_sharing=shared))
+
+
 def check_rl(cfg: PPORunConfig) -> None:
     """Checks that span several sections."""
     model_cfg, data_cfg, train_cfg, rollout_cfg, rl_cfg, launch_cfg = (cfg.model, cfg.data, cfg.train, cfg.rollout,
@@ -344,6 +363,8 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", run_config: 
         cfg = run_config.parse(argv, f"openpack {command}", __doc__.split("\n\n")[0])
         model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = cfg.sections()
         check_rl(cfg)
+        cfg = with_prefix_sharing(cfg)
+        model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = cfg.sections()
         check_inputs(data_cfg.prompt_data, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": rl_cfg.ref_pretrain},
                      "--prompt_data", train_cfg.prefix_sharing)
         from openpack.models.reward import check_reward_model

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from openpack.core.batch import Segment, collate_packed
+from openpack.core.batch import CHOSEN, PROMPT, Segment, collate_packed
 from openpack.models.packed import packed_token_logprobs
 from openpack.models.rope import fresh_rope_state
 
@@ -124,3 +124,60 @@ def within_error_budget(result: dict, tolerance: float = 1e-5) -> bool:
     logprob_budget = tolerance * max(1.0, result["logprob_scale"]) + 2 * result["unpacked_logprob_error"]
     grad_budget = tolerance * max(1.0, result["grad_scale"]) + 2 * result["unpacked_grad_error"]
     return result["packed_logprob_error"] <= logprob_budget and result["packed_grad_error"] <= grad_budget
+
+
+def random_groups(groups, vocab_size: int, seed: int = 0) -> tuple[list[Segment], list[Segment]]:
+    """(shared, alone) segments of prompt groups: ``groups`` is [(prompt length, [completion lengths])].
+
+    Shared: each prompt once, then its completions after it (``--prefix_sharing``); alone: prompt + completion
+    per completion. The completions' tokens are the targets in both.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    shared, alone = [], []
+    for sample, (prompt_length, completion_lengths) in enumerate(groups):
+        prompt = torch.randint(0, vocab_size, (prompt_length,), generator=generator).tolist()
+        shared.append(Segment(prompt, [False] * prompt_length, sample, PROMPT))
+        for n in completion_lengths:
+            completion = torch.randint(0, vocab_size, (n,), generator=generator).tolist()
+            shared.append(Segment(completion, [True] * n, sample, CHOSEN, after_prompt=True))
+            alone.append(Segment(prompt + completion, [False] * prompt_length + [True] * n, sample))
+    return shared, alone
+
+
+def _alone_sums_and_grads(model, alone: list[Segment]):
+    """Each segment's summed log-prob through eager attention alone, and the gradients of their total."""
+    logprobs = reference_token_logprobs(model, alone).float()
+    ends = torch.tensor([len(s.tokens) for s in alone]).cumsum(0)[:-1].tolist()
+    sums = torch.stack([piece.sum() for piece in logprobs.tensor_split(ends)])
+    params = [p for p in model.parameters() if p.requires_grad]
+    return sums, [g.float() for g in torch.autograd.grad(sums.sum(), params)]
+
+
+def shared_vs_unpacked(model, groups, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """``packed_vs_unpacked`` for prefix sharing: each completion's summed log-prob, and the gradients of their
+    total, from one shared packed row against prompt + completion alone through eager attention (fp32; in a
+    lower ``dtype`` that alone-path is measured too, as the dtype's own error budget)."""
+    shared, alone = random_groups(groups, model.config.vocab_size, seed)
+    device = next(model.parameters()).device
+    ref_sums, ref_grads = _alone_sums_and_grads(model, alone)
+    low = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+    batch = collate_packed(shared).to(device)
+    logprobs = packed_token_logprobs(low, batch).float()
+    completions = torch.tensor([s.role == CHOSEN for s in shared], device=device)
+    sums = torch.zeros(batch.num_segments, device=device).index_add(0, batch.segment_ids, logprobs)[completions]
+    grads = torch.autograd.grad(sums.sum(), [p for p in low.parameters() if p.requires_grad])
+    result = {
+        "tokens": batch.num_tokens,
+        "unshared_tokens": sum(len(s.tokens) for s in alone),
+        "packed_logprob_error": (sums - ref_sums).abs().max().item(),
+        "packed_grad_error": _max_error([g.float() for g in grads], ref_grads),
+        "logprob_scale": ref_sums.abs().max().item(),
+        "grad_scale": max(g.abs().max().item() for g in ref_grads),
+        "unpacked_logprob_error": 0.0,
+        "unpacked_grad_error": 0.0,
+    }
+    if dtype != torch.float32:
+        low_sums, low_grads = _alone_sums_and_grads(low, alone)
+        result["unpacked_logprob_error"] = (low_sums - ref_sums).abs().max().item()
+        result["unpacked_grad_error"] = _max_error(low_grads, ref_grads)
+    return result

@@ -31,7 +31,7 @@ def test_check_packing_passes_on_cpu(capsys):
 def test_check_packing_fails_when_the_tolerance_is_impossible(capsys):
     """The verdict can fail: a negative tolerance is below any measured error."""
     assert check_packing.main(["--archs", "qwen2", "--tolerance", "-1"]) == 1
-    assert "NOT exact for qwen2" in capsys.readouterr().out
+    assert "NOT exact for qwen2 (packed), qwen2 (prefix_shared)" in capsys.readouterr().out
 
 
 def test_check_packing_rejects_an_unknown_arch(capsys):

@@ -34,7 +34,7 @@ def grpo(save_path, ppo_models, reward: str, *flags):
 
 @pytest.fixture(scope="module")
 def filtered_run(tmp_path_factory, ppo_models):
-    return grpo(tmp_path_factory.mktemp("filtered"), ppo_models, "has_a")
+    return grpo(tmp_path_factory.mktemp("filtered"), ppo_models, "has_a", "--no_prefix_sharing")
 
 
 def test_uniform_groups_are_dropped_and_replaced(filtered_run):
@@ -59,8 +59,8 @@ def test_a_reward_that_never_differs_keeps_nothing_and_skips_the_update(tmp_path
 
 
 def test_resumed_run_draws_the_same_replacements(filtered_run, tmp_path, ppo_models):
-    grpo(tmp_path, ppo_models, "has_a", "--save_steps", "1", "--max_steps", "2")
-    grpo(tmp_path, ppo_models, "has_a", "--load_checkpoint")
+    grpo(tmp_path, ppo_models, "has_a", "--save_steps", "1", "--max_steps", "2", "--no_prefix_sharing")
+    grpo(tmp_path, ppo_models, "has_a", "--load_checkpoint", "--no_prefix_sharing")
     assert_same_run(tmp_path, filtered_run)
     for x, y in zip(read_metrics(tmp_path), read_metrics(filtered_run)):
         assert x["dynamic_filtering/dropped_groups"] == y["dynamic_filtering/dropped_groups"]
@@ -68,8 +68,8 @@ def test_resumed_run_draws_the_same_replacements(filtered_run, tmp_path, ppo_mod
 
 def test_prefix_sharing_trains_the_same_filtered_batches(filtered_run, tmp_path, ppo_models):
     """The kept and refilled groups (concatenated from several generation rounds) laid out per prompt with
-    --prefix_sharing: the same run."""
-    run = grpo(tmp_path, ppo_models, "has_a", "--prefix_sharing")
+    --prefix_sharing (the default under --packing_samples --use_dynamic_batch): the same run."""
+    run = grpo(tmp_path, ppo_models, "has_a")
     assert_same_run(run, filtered_run)
     for m in read_metrics(run):
         assert m["prefix_sharing/token_ratio"] < 0.9

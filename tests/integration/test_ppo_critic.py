@@ -30,10 +30,10 @@ COMMON = ["--advantage_estimator", "gae", "--gamma", "0.9", "--lambd", "0.8", "-
           "--overlong_buffer_len", "4", "--overlong_penalty_factor", "0.5", "--rollout_backend", "hf",
           "--launcher", "local"]
 LAYOUTS = {
-    "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96"],
+    "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96", "--no_prefix_sharing"],
     "padded_8x1": ["--micro_train_batch_size", "1"],
     "padded_1x8": ["--micro_train_batch_size", "8"],
-    "prefix_shared": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96", "--prefix_sharing"],
+    "prefix_shared": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96"],  # the default
 }
 
 

@@ -26,14 +26,13 @@ COMMON = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_b
           "--max_norm", "100", "--adam_epsilon", "1e-6", "--max_steps", "2", "--init_kl_coef", "0.05",
           "--rollout_backend", "hf", "--launcher", "local"]
 LAYOUTS = {
-    "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96"],
+    "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96", "--no_prefix_sharing"],
     "padded_8x1": ["--micro_train_batch_size", "1"],
     "padded_1x8": ["--micro_train_batch_size", "8"],
     # prompt | completion | ... per group in every pass; at 40 tokens (the longest prompt + completion) most groups
     # are split into units with a copy of the prompt each
-    "prefix_shared": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96", "--prefix_sharing"],
-    "prefix_shared_split": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "40",
-                            "--prefix_sharing"],
+    "prefix_shared": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96"],  # the default
+    "prefix_shared_split": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "40"],
 }
 AGGREGATIONS = {  # each with the KL where its method puts it
     "token_mean": [],

@@ -19,11 +19,12 @@ from openpack.models import packed
 from openpack.models.families import VERIFIED, UnsupportedModelError, check_model_family
 from openpack.models.tiny import FAMILIES, tiny_causal_lm, tiny_config
 from openpack.models.verify import (packed_vs_unpacked, random_segments, reference_token_logprobs,
-                                    within_error_budget)
+                                    shared_vs_unpacked, within_error_budget)
 
 LENGTHS = [7, 13, 1, 40, 5, 2, 64, 31]  # past the 8-token windows and the 32-token original contexts
 EXACT = [name for name in FAMILIES if name != "falcon"]
 LENGTH_DEPENDENT_ROPE = ["llama_dynamic_rope", "phi3_longrope"]
+GROUPS = [(9, [4, 7, 1, 12]), (3, [5, 5]), (20, [2])]  # (prompt, completions): an RL group, a DPO pair, one
 
 
 @pytest.mark.parametrize("family", EXACT)
@@ -135,3 +136,42 @@ def test_dpo_refuses_prefix_sharing_with_longrope_before_loading(tmp_path, capsy
     assert train_dpo.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "longrope" in err and "--prefix_sharing" in err, err
+
+
+@pytest.mark.parametrize("flags, family, shared", [
+    (["--packing_samples", "--use_dynamic_batch"], None, True),  # the demo model
+    (["--packing_samples", "--use_dynamic_batch"], "llama", True),
+    (["--packing_samples", "--use_dynamic_batch"], "phi3_longrope", False),  # no exact shared encoding: off
+    (["--packing_samples", "--use_dynamic_batch", "--no_prefix_sharing"], "llama", False),
+    (["--packing_samples"], "llama", False),
+    ([], "llama", False),
+])
+def test_rl_prefix_sharing_is_the_default_where_it_is_exact(flags, family, shared, tmp_path):
+    from openpack.cli.train_ppo import GRPORunConfig, with_prefix_sharing
+
+    model = []
+    if family is not None:
+        tiny_config(family).save_pretrained(tmp_path / family)
+        model = ["--pretrain", str(tmp_path / family)]
+    cfg = GRPORunConfig.parse([*model, "--prompt_data", "p.jsonl", *flags], "openpack train_grpo", "")
+    assert cfg.train.prefix_sharing is (False if "--no_prefix_sharing" in flags else None)
+    assert with_prefix_sharing(cfg).train.prefix_sharing is shared
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe", "gpt_neox"])
+def test_a_prefix_shared_row_equals_each_completion_alone(family):
+    """check_packing's second layout: each prompt once, its completions after it, against prompt + completion
+    alone (summed log-probs per completion and gradients)."""
+    result = shared_vs_unpacked(tiny_causal_lm(family, seed=1), GROUPS, seed=1)
+    assert result["tokens"] < result["unshared_tokens"]
+    assert within_error_budget(result), result
+
+
+def test_the_prefix_shared_check_can_fail(monkeypatch):
+    """Completions that see the prompt's keys top-left aligned (their first token sees the prompt's first only)."""
+    from openpack.models import attention
+
+    monkeypatch.setattr(attention, "_bottom_right_mask", lambda q, k, window, device: torch.ones(
+        q, k, dtype=torch.bool, device=device).tril())
+    result = shared_vs_unpacked(tiny_causal_lm("llama", seed=1), GROUPS, seed=1)
+    assert result["packed_logprob_error"] > 1e-2, result
