@@ -54,8 +54,9 @@ steps after the first (warm-up):
   (openpack's ``time/training``; TRL's step time minus
   ``_generate_and_score_completions``);
 * the whole step, training tokens/s (prompt + completion tokens that the
-  policy update ran over, padding excluded, per second of training) and the
-  process's peak RSS.
+  policy update ran over, padding excluded, per second of training; with
+  prefix sharing, the default arm's, each prompt counted once per group, so
+  fewer tokens for the same completions) and the process's peak RSS.
 
 Ratios are openpack / TRL per repeat pair, reported as median (min-max).
 Completions are sampled, so the two arms' steps hold different completions
@@ -557,12 +558,13 @@ def reading(args, summaries: dict) -> str:
               "through this machine's noise. The experience phase is milliseconds on both sides. Training is where "
               "the arms differ.")]
     for model, s in summaries.items():
-        tokens = statistics.median(s["values"]["tokens_per_step"]["openpack"])
+        tokens = statistics.median(s["values"]["tokens_per_step"][UNSHARED])  # each completion with its prompt
+        computed = statistics.median(s["values"]["tokens_per_step"]["openpack"])  # each prompt once per group
         (cap,) = s["row_caps"]["openpack"][-1:]
         default, unshared, one_row = (median_ratio(s, arm, "training_s") for arm in OPENPACK_ARMS)
         parts.append(
-            f"On `{model}` ({tokens:.0f} real tokens per step) openpack's default caps rows at {cap} tokens (at least "
-            f"{math.ceil(tokens / cap)} rows per step, against TRL's "
+            f"On `{model}` ({tokens:.0f} real tokens per step, {computed:.0f} with each prompt once) openpack's "
+            f"default caps rows at {cap} tokens (at least {math.ceil(computed / cap)} rows per step, against TRL's "
             f"{args.prompts_per_step * args.n // TRL_MICRO_BATCH} padded micro-batches) and computes each prompt "
             f"once for its group: its training takes {default:.2f}x TRL's time and its peak RSS is "
             f"{median_ratio(s, 'openpack', 'peak_rss_mb'):.2f}x TRL's. Unshared (`--no_prefix_sharing`): training "

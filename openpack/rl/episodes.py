@@ -53,8 +53,9 @@ class Units:
     """How completions of a rollout batch are laid out in the training-side passes (policy, old policy,
     reference, critic): unit u is ``members[u]``, completion ids in the order their tokens sit in a batch.
 
-    Unshared (the default): one completion a unit, prompt + completion as one segment. ``--prefix_sharing``
-    (``shared``): a unit is a prompt and completions of it, prompt | completion | ... | completion, each
+    Unshared (``--no_prefix_sharing``, or rows not packed under the token cap): one completion a unit, prompt +
+    completion as one segment. Shared (``--prefix_sharing``, the default under --packing_samples
+    --use_dynamic_batch): a unit is a prompt and completions of it, prompt | completion | ... | completion, each
     completion attending to the prompt and itself and continuing the prompt's positions (``core/batch.py``), so
     the prompt is computed once per unit instead of once per completion. ``add`` lays out a set of completions
     (a step's, or the whole batch for a scoring pass): completions of one prompt (group k // n of a prompt-major
