@@ -201,6 +201,46 @@ class RLConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn episodes (docs/agents.md): the model acts, an environment answers, until done or a limit."""
+
+    env_file: str | None = arg(None, "a Python file defining an environment class with async reset(sample) and "
+                               "async step(action), one instance per episode (docs/agents.md)",
+                               special={None: "single-turn completions"})
+    agent_func_path: str | None = arg(None, "an OpenRLHF agent file (AgentExecutor / AgentInstance with async "
+                                      "reset(states) and step(states)), run unchanged, without openrlhf installed")
+    tools: str | None = arg(None, "a Python file whose typed, documented functions become tools: shown through the "
+                            "chat template, called on Hermes <tool_call> JSON; the final answer is scored by "
+                            "--reward_fn, else exact match with --label_key")
+    max_turns: int = arg(8, "actions per episode at most", at_least=1)
+    max_episode_tokens: int | None = arg(None, "tokens of a whole episode at most (first observation included); "
+                                         "each turn's generation is cut to what is left, and an episode that "
+                                         "reaches it ends (counted)", at_least=2,
+                                         special={None: "--prompt_max_len + --generate_max_len"})
+    env_timeout: float = arg(60.0, "seconds each reset and step of an environment may take; past it the episode "
+                             "ends, counted and left out of the update", above=0)
+    max_env_failure_fraction: float = arg(0.25, "a rollout batch whose share of episodes that raised or timed out "
+                                          "is above this stops the run with one line", at_least=0, at_most=1)
+    agent_concurrency: int = arg(64, "episodes under way at once (their turns batch into engine calls)",
+                                 at_least=1)
+    per_turn_reward: bool = arg(False, "credit each turn's reward to its last sampled token (returns and GAE "
+                                "discount from there) instead of the episode's sum at its end; needs "
+                                "--advantage_estimator reinforce or gae")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.env_file or self.agent_func_path or self.tools)
+
+    def validate(self):
+        given = [f"--{name}" for name in ("env_file", "agent_func_path", "tools") if getattr(self, name)]
+        if len(given) > 1:
+            raise ConfigError(f"{' and '.join(given)}: give one environment (--tools runs the built-in tool loop)")
+        if self.per_turn_reward and not self.enabled:
+            raise ConfigError("--per_turn_reward credits the turns of multi-turn episodes: add --env_file, "
+                              "--agent_func_path or --tools, or drop it")
+
+
+@dataclass
 class GRPORolloutConfig(RolloutConfig):
     n_samples_per_prompt: int = arg(8, "completions sampled per prompt (the group whose rewards are compared)",
                                     at_least=1)
@@ -223,6 +263,7 @@ class PPORunConfig(RunConfig):
     rollout: RolloutConfig
     rl: RLConfig
     launch: LaunchConfig
+    agent: AgentConfig
 
 
 @dataclass
@@ -275,11 +316,12 @@ def check_rl(cfg: PPORunConfig) -> None:
                           f"--micro_train_batch_size {train_cfg.micro_train_batch_size} on {world} rank(s); make it "
                           f"a multiple of {train_cfg.micro_train_batch_size * world}, or pass --packing_samples "
                           "--use_dynamic_batch")
-    longest = data_cfg.prompt_max_len + rollout_cfg.generate_max_len
+    longest = episode_budget(cfg)
     if train_cfg.packing_samples and train_cfg.use_dynamic_batch and train_cfg.max_tokens_per_gpu is not None \
             and longest > train_cfg.max_tokens_per_gpu:
-        raise ConfigError(f"a prompt and its completion can be {longest} tokens (--prompt_max_len + "
-                          f"--generate_max_len), more than --max_tokens_per_gpu {train_cfg.max_tokens_per_gpu}; "
+        what = ("an episode can be {} tokens (--max_episode_tokens)" if cfg.agent.max_episode_tokens else
+                "a prompt and its completion can be {} tokens (--prompt_max_len + --generate_max_len)")
+        raise ConfigError(f"{what.format(longest)}, more than --max_tokens_per_gpu {train_cfg.max_tokens_per_gpu}; "
                           "raise it or lower those")
     if (model_cfg.pretrain is None) != (data_cfg.prompt_data is None):
         raise ConfigError("give --pretrain and --prompt_data together, or neither for the built-in demo (the demo "
@@ -318,6 +360,62 @@ def check_rl(cfg: PPORunConfig) -> None:
                           "--use_kl_loss, or drop --target_kl")
     if rl_cfg.use_kl_loss and not rl_cfg.init_kl_coef:
         raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
+    if cfg.agent.enabled:
+        check_agent(cfg)
+
+
+def episode_budget(cfg: PPORunConfig) -> int:
+    """The most tokens one sequence can have: a prompt and its completion, or a whole episode."""
+    single = cfg.data.prompt_max_len + cfg.rollout.generate_max_len
+    if not cfg.agent.enabled:
+        return single
+    return cfg.agent.max_episode_tokens or single
+
+
+def check_agent(cfg: PPORunConfig) -> None:
+    """What multi-turn episodes cannot be combined with; the environment files load here, before any model."""
+    agent_cfg, rl_cfg, data_cfg = cfg.agent, cfg.rl, cfg.data
+    flag = "--tools" if agent_cfg.tools else "--agent_func_path" if agent_cfg.agent_func_path else "--env_file"
+    if not agent_cfg.tools and (rl_cfg.reward_fn or rl_cfg.remote_rm_url or rl_cfg.reward_pretrain):
+        raise ConfigError(f"{flag}: the environment gives each episode its reward; drop --reward_fn, "
+                          "--remote_rm_url and --reward_pretrain (with --tools, --reward_fn scores the final answer)")
+    if agent_cfg.tools and (rl_cfg.remote_rm_url or rl_cfg.reward_pretrain):
+        raise ConfigError("--tools scores the final answer with --reward_fn or exact match with --label_key; drop "
+                          "--remote_rm_url and --reward_pretrain")
+    if agent_cfg.tools and not (rl_cfg.reward_fn or data_cfg.label_key):
+        raise ConfigError("--tools scores each episode's final answer: give --label_key (exact match with that "
+                          "column) or --reward_fn path.py:function")
+    if agent_cfg.per_turn_reward and rl_cfg.advantage_estimator not in ("reinforce", "gae"):
+        raise ConfigError(f"--per_turn_reward discounts each turn's reward from its own token, which "
+                          f"--advantage_estimator {rl_cfg.advantage_estimator} (one scalar per episode) cannot use: "
+                          "use reinforce or gae, or drop --per_turn_reward")
+    if agent_cfg.per_turn_reward and (rl_cfg.overlong_buffer_len or rl_cfg.reward_clip_range):
+        raise ConfigError("--per_turn_reward credits the turns' own rewards: drop --overlong_buffer_len and "
+                          "--reward_clip_range, which shape an episode's one reward")
+    if rl_cfg.overlong_buffer_len:
+        raise ConfigError(f"{flag}: --overlong_buffer_len penalises long single completions; bound episodes with "
+                          "--max_episode_tokens and --max_turns instead")
+    from openpack.rl.agents.environment import EnvFileError
+
+    try:
+        agent_environment(agent_cfg, rl_cfg, data_cfg)
+    except EnvFileError as err:
+        raise ConfigError(str(err)) from err
+
+
+def agent_environment(agent_cfg, rl_cfg, data_cfg):
+    """(``make_env``, tool schemas or None) of the run's --env_file, --agent_func_path or --tools."""
+    from openpack.rl.agents.environment import load_env_file
+
+    if agent_cfg.env_file:
+        return load_env_file(agent_cfg.env_file, "--env_file"), None
+    if agent_cfg.agent_func_path:
+        return load_env_file(agent_cfg.agent_func_path, "--agent_func_path"), None
+    from openpack.rl.agents.tools import ToolEnvironment, answer_scorer, load_tools, tool_schemas
+
+    tools = load_tools(agent_cfg.tools)
+    score = answer_scorer(rl_cfg.reward_fn, data_cfg.label_key)
+    return (lambda: ToolEnvironment(tools, score)), tool_schemas(tools)
 
 
 def check_servable(pretrain: str, rollout_cfg) -> None:
@@ -361,10 +459,10 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", run_config: 
     argv, demo_notice = with_demo_defaults(argv, command, demo_config, data_flag="--prompt_data")
     try:
         cfg = run_config.parse(argv, f"openpack {command}", __doc__.split("\n\n")[0])
-        model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = cfg.sections()
+        model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg, _ = cfg.sections()
         check_rl(cfg)
         cfg = with_prefix_sharing(cfg)
-        model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg = cfg.sections()
+        model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg, _ = cfg.sections()
         check_inputs(data_cfg.prompt_data, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": rl_cfg.ref_pretrain},
                      "--prompt_data", train_cfg.prefix_sharing)
         from openpack.models.reward import check_reward_model
@@ -377,6 +475,7 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", run_config: 
     announce(command, cfg, demo_notice)
     from openpack.distributed.save_path import CheckpointError, own_save_path
     from openpack.rl.worker import plan_rl, run_ppo
+    from openpack.rl.agents.runner import EnvFailureError
     from openpack.rl.rewards import RewardError
 
     try:
@@ -394,8 +493,8 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", run_config: 
     except (DataError, ModelLoadError, CheckpointError) as err:
         print(f"openpack {command}: {err}", file=sys.stderr)
         return 2
-    except RewardError as err:  # a reward that failed mid-run (server down, NaN): its message names it and the batch
-        print(f"openpack {command}: {err}", file=sys.stderr)
+    except (RewardError, EnvFailureError) as err:  # a reward or environment that failed mid-run: its message
+        print(f"openpack {command}: {err}", file=sys.stderr)  # names it and the batch
         return 1
 
 

@@ -1,7 +1,10 @@
 """The rollout batch: prompts x n completions as token ids, with behaviour log-probs, rewards and versions.
 
 A completion is one packed segment (``Rollouts.segments``): the prompt's tokens are context, the completion's
-are the targets, so a packed row of completions costs no compute on padding. Every rank holds the whole batch
+are the targets, so a packed row of completions costs no compute on padding. A multi-turn episode
+(``rl/agents``) is a completion whose tokens mix sampled ids (targets) and the environment's observations
+(context): its ``targets`` mask has holes, and its per-token lists (behaviour, log-probs, advantages) cover the
+targets only. Every rank holds the whole batch
 (token ids and a few floats per token, small next to a model): each rank can then plan the same packs and
 compute the same advantages without another exchange (``shared_rollouts``).
 """
@@ -26,15 +29,26 @@ class Rollouts:
     finished: list[bool]
     rewards: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the policy version (weight syncs so far) that sampled each
+    # multi-turn episodes only (empty otherwise):
+    targets: list[list[bool]] = field(default_factory=list)  # [B][len(completion)] True: sampled, trained
+    env_rewards: list[float] = field(default_factory=list)  # the environment's reward of each episode (its turns')
+    turn_credit: list[list[float]] = field(default_factory=list)  # [B][targets] each turn's reward at its last
+
+    def target_mask(self, k: int) -> list[bool]:
+        """Which completion tokens of sample ``k`` are trained: all, or an episode's sampled ones."""
+        return self.targets[k] if self.targets else [True] * len(self.completion_tokens[k])
 
     def segments(self, k: int) -> list[Segment]:
-        prompt, completion = self.prompt_tokens[k], self.completion_tokens[k]
-        return [Segment(prompt + completion, [False] * len(prompt) + [True] * len(completion), k)]
+        prompt = self.prompt_tokens[k]
+        return [Segment(prompt + self.completion_tokens[k], [False] * len(prompt) + self.target_mask(k), k)]
 
     def lengths(self) -> list[tuple[int]]:
         return [(len(p) + len(c),) for p, c in zip(self.prompt_tokens, self.completion_tokens)]
 
     def response_lengths(self) -> list[int]:
+        """Trained tokens of each sample (an episode's sampled tokens, not its observations)."""
+        if self.targets:
+            return [sum(mask) for mask in self.targets]
         return [len(c) for c in self.completion_tokens]
 
     def select(self, indices) -> "Rollouts":
@@ -92,8 +106,10 @@ class Units:
 
     def _split(self, group: list[int]) -> list[list[int]]:
         prompt = self.rollouts.prompt_tokens[group[0]]
-        if any(self.rollouts.prompt_tokens[k] != prompt for k in group):
-            raise ValueError(f"--prefix_sharing: completions {group} are not one prompt's group of {self.n}")
+        same = [k for k in group if self.rollouts.prompt_tokens[k] == prompt]
+        if len(same) < len(group):  # episodes whose environment opened them differently: one unit per opening
+            rest = [k for k in group if k not in same]
+            return self._split(same) + self._split(rest)
         parts, tokens = [[]], len(prompt)
         for k in group:
             size = len(self.rollouts.completion_tokens[k])
@@ -112,8 +128,8 @@ class Units:
             return self.rollouts.segments(self.members[u][0])
         prompt = self.rollouts.prompt_tokens[self.members[u][0]]
         return [Segment(prompt, [False] * len(prompt), u, PROMPT),
-                *(Segment(self.rollouts.completion_tokens[k], [True] * len(self.rollouts.completion_tokens[k]), u,
-                          SAMPLE, after_prompt=True) for k in self.members[u])]
+                *(Segment(self.rollouts.completion_tokens[k], self.rollouts.target_mask(k), u, SAMPLE,
+                          after_prompt=True) for k in self.members[u])]
 
     def completions(self, ids) -> list[int]:
         """The completions of units ``ids``, in the order their tokens sit in a batch of those units."""
@@ -125,9 +141,7 @@ def shared_rollouts(local: Rollouts | None, dist: DistInfo, generated_on_all_ran
     (vLLM engines) broadcast."""
     if not generated_on_all_ranks:
         return broadcast_object(local)
-    parts = all_gather_objects(local)
-    return Rollouts(**{name: [x for part in parts for x in getattr(part, name)] for name in
-                       ("prompt_tokens", "completion_tokens", "behaviour", "finished", "versions")})
+    return Rollouts.concat(all_gather_objects(local))
 
 
 def rollout_metrics(rollouts: Rollouts, generation_s: float) -> dict:

@@ -77,6 +77,16 @@ def advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, ref: 
     if settings.reward_kl:
         penalty = -settings.kl_coef * torch.cat([kl(old[k], ref[k], settings.policy.kl_estimator)
                                                  for k in range(len(lengths))])
+    if settings.per_turn_reward:  # episodes: each turn's reward on its last sampled token, none at the end
+        credit = torch.tensor([x for turns in rollouts.turn_credit for x in turns], dtype=torch.float64)
+        penalty = credit if penalty is None else penalty.double() + credit
+        outcome = torch.zeros(len(lengths))
+        if settings.critic:
+            rewards = token_rewards(outcome, segment_ids, penalty)
+            advantage, returns = gae(rewards, torch.cat([values[k] for k in range(len(lengths))]), segment_ids,
+                                     settings.gamma, settings.lambd)
+            return list(whiten(advantage).split(lengths)), list(returns.split(lengths))
+        return list(whiten(token_returns(outcome, segment_ids, penalty, settings.gamma)).split(lengths)), None
     if settings.critic:
         rewards = token_rewards(torch.tensor(rollouts.rewards), segment_ids, penalty)
         advantage, returns = gae(rewards, torch.cat([values[k] for k in range(len(lengths))]), segment_ids,

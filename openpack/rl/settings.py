@@ -31,6 +31,7 @@ class RLSettings:
     dynamic_filtering_reward_range: tuple[float, float] | None = None
     dynamic_filtering_max_empty_steps: int = 3  # rollout batches in a row that keep no group: stop
     async_staleness: int = 0  # --max_staleness under --async_train: rollouts may be this many versions old
+    per_turn_reward: bool = False  # episodes: each turn's reward at its last sampled token (reinforce, gae)
 
     @property
     def critic(self) -> bool:
@@ -71,7 +72,8 @@ def rl_settings(cfg) -> RLSettings:
                       tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None, rl_cfg.dynamic_filtering,
                       tuple(rl_cfg.dynamic_filtering_reward_range) if rl_cfg.dynamic_filtering_reward_range else None,
                       rl_cfg.dynamic_filtering_max_empty_steps or RLSettings.dynamic_filtering_max_empty_steps,
-                      async_staleness=async_staleness(rollout_cfg))
+                      async_staleness=async_staleness(rollout_cfg),
+                      per_turn_reward=bool(getattr(cfg, "agent", None) and cfg.agent.per_turn_reward))
 
 
 def updates_per_rollout(rollout_cfg, train_cfg) -> int:

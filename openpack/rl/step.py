@@ -81,6 +81,12 @@ def rl_step(loop: RLLoop, planned: RankStep) -> dict:
             loop.colocation or contextlib.nullcontext():
         rollouts = loop.pipeline.rollouts(step, dist, version=step)  # version: weight syncs so far
     generation_s = time.perf_counter() - start
+    episode_metrics = dict(getattr(loop.pipeline.generator, "metrics", {}))  # multi-turn episodes (rl/agents)
+    if not rollouts.prompt_tokens:  # every group of episodes had a failed one: nothing to learn from
+        if dist.is_main:
+            run.tracker.message(f"rollout batch {step + 1}: no update, every group had a failed episode")
+        return {**episode_metrics, "optimizer_steps": 0, "lr": run.engine.get_lr()[0],
+                "time/generation": generation_s, "step_time_s": time.perf_counter() - start}
     reward_start = time.perf_counter()
     reward_metrics = _reward(loop, batch_prompts, rollouts, f"rollout batch {step + 1}")
     if settings.dynamic_filtering:
@@ -100,7 +106,8 @@ def rl_step(loop: RLLoop, planned: RankStep) -> dict:
         loop.kl_ctl.update(metrics["kl"], len(rollouts.rewards))
     sync_s = loop.colocation.push_s if loop.colocation else \
         push_weights(loop.sync, run.engine, loop.model_cfg.zero_stage, dist) if loop.sync is not None else 0.0
-    return {**rollout_metrics(rollouts, generation_s), **loop.pipeline.metrics, **reward_metrics, **metrics,
+    return {**rollout_metrics(rollouts, generation_s), **episode_metrics, **loop.pipeline.metrics, **reward_metrics,
+            **metrics,
             **timings, **_sync_metrics(loop.sync), "time/reward": reward_s, "time/weight_sync": sync_s,
             "lr": run.engine.get_lr()[0], "step_time_s": time.perf_counter() - start}
 
@@ -122,6 +129,9 @@ def _sync_metrics(sync) -> dict:
 def _reward(loop: RLLoop, prompts: list[Prompt], rollouts: Rollouts, where: str) -> dict:
     """Set ``rollouts.rewards`` (``prompts``: one per group of n completions): the source's, asked on rank 0 and
     shared, then shaped (overlong penalty, clipping); returns the reward metrics."""
+    if rollouts.env_rewards:  # episodes: the environment's rewards, summed over each episode's turns
+        rollouts.rewards, metrics = shaped_rewards(rollouts.env_rewards, rollouts.response_lengths(), loop.settings)
+        return metrics
     n = loop.settings.n_samples_per_prompt
     texts = ([p.text for p in prompts for _ in range(n)],
              loop.tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),

@@ -174,7 +174,8 @@ def train_on(rollouts: Rollouts, engine, scorers: dict, settings: RLSettings, tr
         metrics["returns"] = torch.cat(returns).mean().item()
     if units.shared:  # this rank's tokens in the shared layout, against prompt + completion for each completion
         mine = [u for step in steps for mb in step.micro_batches for u in mb]
-        unshared = sum(len(rollouts.prompt_tokens[k]) + lengths[k] for k in units.completions(mine))
+        every = rollouts.lengths()
+        unshared = sum(every[k][0] for k in units.completions(mine))
         metrics["prefix_sharing/token_ratio"] = sum(sum(units.lengths[u]) for u in mine) / max(unshared, 1)
         metrics["prefix_sharing/split_groups"] = float(units.split_groups)
     if ref is not None and old is not None:

@@ -170,10 +170,12 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
                     == "auto" else "")
     generator = make_generator(backend, rollout_cfg, pretrain, run.engine.module.model, tokenizer, train_cfg.seed,
                                dist, engine_group, model_cfg.bf16, run.save_path)
-    pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train)
     sync = _weight_sync(backend, rollout_cfg, generator, run.engine.module, dist)
-    reward = reward_source(rl_cfg, data_cfg, demo_model is not None,
-                           reward_scorers(cfg, dist, reward_groups))
+    if cfg.agent.enabled:  # multi-turn episodes: their environments give the rewards
+        generator, reward = agent_generator(cfg, generator, tokenizer), None
+    else:
+        reward = reward_source(rl_cfg, data_cfg, demo_model is not None, reward_scorers(cfg, dist, reward_groups))
+    pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train)
     colocation = Colocation(generator.engines, [run.engine, critic], functools.partial(
         push_weights, sync, run.engine, model_cfg.zero_stage, dist), dist.is_main) if rollout_cfg.colocate_all_models else None
     if sync is not None and colocation is None and run.position.global_step:  # resumed: the engines still hold
@@ -191,6 +193,26 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
     return 0
 
 
+def agent_generator(cfg, generator: Generator, tokenizer):
+    """Episodes of the run's environment instead of single completions (``rl/agents``): each prompt row, with its
+    --input_key as ``prompt`` and its --label_key as ``label``, is the sample an environment resets on."""
+    from openpack.cli.train_ppo import agent_environment, episode_budget
+    from openpack.rl.agents.generation import AgentGenerator
+    from openpack.rl.agents.runner import Limits
+
+    agent_cfg, data_cfg = cfg.agent, cfg.data
+    make_env, tools = agent_environment(agent_cfg, cfg.rl, data_cfg)
+    limits = Limits(agent_cfg.max_turns, episode_budget(cfg), cfg.rollout.generate_max_len, agent_cfg.env_timeout)
+
+    def sample_of(prompt: Prompt) -> dict:
+        row = dict(prompt.row)
+        label = row.get(data_cfg.label_key) if data_cfg.label_key else row.get("label")
+        return {**row, "prompt": row[data_cfg.input_key], "label": label}
+
+    return AgentGenerator(generator, make_env, sample_of, tokenizer, limits, agent_cfg.agent_concurrency,
+                          agent_cfg.max_env_failure_fraction, tools)
+
+
 def with_row_cap(cfg, model, dist):
     """``cfg`` with ``--max_tokens_per_gpu`` set where it was left unset: rank 0's ``default_row_cap`` for the
     policy (every rank plans with it), logged once. Also without dynamic batches: the scoring passes (reference,
@@ -201,7 +223,9 @@ def with_row_cap(cfg, model, dist):
     from openpack.distributed.process import broadcast_object
     from openpack.trainers.batching import default_row_cap
 
-    longest = cfg.data.prompt_max_len + cfg.rollout.generate_max_len
+    from openpack.cli.train_ppo import episode_budget
+
+    longest = episode_budget(cfg)
     cap, why = broadcast_object(default_row_cap(model, cfg.model, dist, longest) if dist.is_main else None)
     if dist.is_main:
         logger.info("--max_tokens_per_gpu not given: packed rows of at most %d tokens (%s; pass "

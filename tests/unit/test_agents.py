@@ -25,7 +25,7 @@ def scripted(turns: list[list[int]]):
     """A policy sampling the given ids turn after turn (log-prob -(turn + 1) for each), recording its contexts."""
     contexts = []
 
-    async def policy(ids, max_tokens):
+    async def policy(ids, max_tokens, turn=0):
         contexts.append(list(ids))
         tokens = turns[min(len(contexts) - 1, len(turns) - 1)][:max_tokens]
         return Completion(tokens, [-float(len(contexts))] * len(tokens), True)

@@ -1,8 +1,9 @@
 """Run episodes concurrently: each alternates engine turns and environment steps until done or a limit.
 
 Episodes are asyncio tasks under a concurrency limit, so one episode's slow environment never holds up another's
-next turn. A turn asks ``policy(ids, max_tokens)`` (an async callable returning the engine's ``Completion``) for
-the episode's whole context as ids; the sampled ids and log-probs are kept as sampled (``Episode.add_action``).
+next turn. A turn asks ``policy(ids, max_tokens, turn)`` (an async callable returning the engine's ``Completion``;
+``turn`` counts from 0) for the episode's whole context as ids; the sampled ids and log-probs are kept as sampled
+(``Episode.add_action``).
 
 Limits: ``max_turns`` actions; ``max_tokens`` for the whole episode (first observation included), each turn's
 generation capped to what is left and an observation that would pass it ending the episode (counted as
@@ -54,7 +55,7 @@ async def run_episode(make_env, sample: dict, policy, tokenizer, limits: Limits,
         return episode
     while True:
         budget = min(limits.max_new_tokens, limits.max_tokens - episode.length)
-        completion = await policy(episode.prompt + episode.tokens, budget)
+        completion = await policy(episode.prompt + episode.tokens, budget, episode.turns)
         episode.add_action(list(completion.tokens), list(completion.logprobs))
         action = tokenizer.decode(completion.tokens, skip_special_tokens=True)
         try:
@@ -82,14 +83,16 @@ async def run_episode(make_env, sample: dict, policy, tokenizer, limits: Limits,
 
 async def run_episodes(make_env, samples: list[dict], policy, tokenizer, limits: Limits,
                        concurrency: int = 64, tools: list[dict] | None = None) -> list[Episode]:
-    """Every sample's episode, in order; at most ``concurrency`` under way at once."""
+    """Every sample's episode, in order; at most ``concurrency`` under way at once. ``policy``: one turn function
+    for all, or a list of one per sample."""
     gate = asyncio.Semaphore(concurrency)
+    policies = policy if isinstance(policy, list) else [policy] * len(samples)
 
-    async def one(sample):
+    async def one(sample, turn):
         async with gate:
-            return await run_episode(make_env, sample, policy, tokenizer, limits, tools)
+            return await run_episode(make_env, sample, turn, tokenizer, limits, tools)
 
-    return list(await asyncio.gather(*(one(s) for s in samples)))
+    return list(await asyncio.gather(*(one(s, p) for s, p in zip(samples, policies))))
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

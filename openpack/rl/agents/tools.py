@@ -65,6 +65,22 @@ def exact_match(answer: str, sample: dict) -> float:
     return float(answer.strip() == str(sample.get("label", "")).strip())
 
 
+def answer_scorer(reward_fn: str | None, label_key: str | None):
+    """``score(answer, sample)`` of the final answer: ``--reward_fn`` (called as ``fn([prompt], [answer], [row])``),
+    else exact match with the row's ``--label_key`` (the sample's ``label``)."""
+    if not reward_fn:
+        return exact_match
+    from openpack.rl.rewards import load_reward_fn
+
+    fn = load_reward_fn(reward_fn)
+
+    def score(answer: str, sample: dict) -> float:
+        (value,) = fn([sample["prompt"]], [answer], [sample])
+        return float(value)
+
+    return score
+
+
 class ToolEnvironment:
     """The built-in tool loop: the prompt as a user message; tool calls run, answers scored."""
 
