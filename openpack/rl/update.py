@@ -7,6 +7,7 @@ one host sync for every step's metrics together.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -113,8 +114,10 @@ def plan_updates(rollouts: Rollouts, units: Units, train_cfg, world_size: int, s
     labels = [(n,) for n in rollouts.response_lengths()]
     batching = (Batching(max_tokens=train_cfg.max_tokens_per_gpu) if train_cfg.packing_samples
                 and train_cfg.use_dynamic_batch else Batching(micro_batch_size=train_cfg.micro_train_batch_size))
-    plan = plan_run(lengths, labels, world_size, batching, train_cfg.train_batch_size, train_cfg.max_epochs, None,
-                    seed)
+    # a batch whose failed episodes were left out (rl/agents) may not split into --train_batch_size: its steps are
+    # then the largest size that divides both, so every kept sample trains
+    train_batch_size = math.gcd(train_cfg.train_batch_size, len(lengths))
+    plan = plan_run(lengths, labels, world_size, batching, train_batch_size, train_cfg.max_epochs, None, seed)
     if not units.shared:  # unit k is completion k: the plan's ids stand as they are
         return plan
     return _shared_steps(plan, units, world_size, batching.max_tokens)
