@@ -13,6 +13,7 @@ import pytest
 from openpack.rl.agents.chat import ChatTemplateError, observation_ids
 from openpack.rl.agents.environment import EnvFileError, load_env_file
 from openpack.rl.agents.episode import Episode
+from openpack.rl.agents.generation import EnginePolicy, episode_rollouts
 from openpack.rl.agents.runner import EnvFailureError, Limits, check_failures, episode_metrics, run_episodes
 from openpack.rl.agents.tools import ToolEnvironment, load_tools, parse_tool_calls, tool_schemas
 from openpack.data.demo_tokenizer import build_demo_tokenizer
@@ -271,3 +272,86 @@ def test_a_failing_tool_is_an_answer_for_the_model_and_counted(tmp_path):
     result = asyncio.run(env.step('<tool_call>{"name": "mul", "arguments": {}}</tool_call>'))
     assert "no tool named 'mul'" in result.observation[0]["content"]
     assert result.metrics == {"tool_calls": 2.0, "tool_failures": 2.0}
+
+
+def test_observation_tokens_are_context_and_get_no_gradient():
+    """Hand check on a tiny Llama: the packed episode's loss (its sampled tokens' log-probs, through ``Units`` and
+    the packed model) has exactly the gradient of the actions' log-probs computed turn by turn on the plain model;
+    had the observation tokens been targets the gradient would differ (the control)."""
+    import torch
+
+    from openpack.core.batch import collate_packed
+    from openpack.models.packed import PackedCausalLM
+    from openpack.models.tiny import tiny_causal_lm
+    from openpack.rl.episodes import Rollouts, Units
+    from openpack.rl.experience import response_values
+
+    model = tiny_causal_lm("llama")
+    episode = Episode([5, 6, 7])
+    episode.add_action([8, 9], [-1.0, -1.0])
+    episode.add_observation([10, 11, 12])
+    episode.add_action([13, 14, 15], [-1.0] * 3)
+    rollouts, _ = episode_rollouts([episode], 1, 0)
+    units = Units(rollouts, False)
+    batch = collate_packed(units.segments(0))
+    model.zero_grad()
+    logp = response_values(batch, PackedCausalLM(model)(batch))
+    assert logp.numel() == 5  # the five sampled tokens, not the observation's three
+    logp.sum().backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def by_hand(positions):
+        model.zero_grad()
+        ids = torch.tensor([episode.prompt + episode.tokens])
+        out = model(input_ids=ids, use_cache=False).logits.log_softmax(-1)[0]
+        total = sum(out[t - 1, ids[0, t]] for t in positions)
+        total.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    actions = [3 + i for i, target in enumerate(episode.targets) if target]
+    hand = by_hand(actions)
+    for name in hand:
+        torch.testing.assert_close(packed[name], hand[name], atol=1e-5, rtol=0, msg=name)
+    control = by_hand(range(3, 3 + len(episode.tokens)))
+    assert any(not torch.allclose(control[n], hand[n], atol=1e-4) for n in hand)
+
+
+def test_episodes_become_rollouts_of_their_sampled_ids_and_failed_groups_are_left_out(bpe_tok):
+    split = bpe_tok.convert_tokens_to_ids(["Ġ", "3"])  # decodes to " 3", which encodes as one id
+    good = Episode([1, 2])
+    good.add_action(split, [-0.5, -0.25])
+    good.credit(1.0)
+    good.add_observation([7])
+    good.add_action([4], [-2.0])
+    good.credit(0.5)
+    good.finished, good.stop = True, "done"
+    failed = Episode([1, 2], stop="error: step 1: RuntimeError: down")
+    rollouts, dropped = episode_rollouts([good, good, failed, good], 2, version=3)
+    assert dropped == 1 and len(rollouts.prompt_tokens) == 2
+    assert rollouts.completion_tokens[0] == split + [7, 4]  # the sampled ids as sampled
+    assert rollouts.targets[0] == [True, True, False, True]
+    assert rollouts.behaviour[0] == [-0.5, -0.25, -2.0]  # targets only
+    assert rollouts.turn_credit[0] == [0.0, 1.0, 0.5]
+    assert rollouts.env_rewards == [1.5, 1.5] and rollouts.versions == [3, 3]
+    assert rollouts.response_lengths() == [3, 3] and rollouts.lengths() == [(6,), (6,)]
+
+
+def test_turns_waiting_together_go_to_the_engine_in_one_call_per_budget():
+    """Turns of different episodes that wait together share an engine call (one per distinct token budget); with
+    batching off (HF) each is a call of its own. Results reach the turn that asked."""
+    from openpack.rollout.interface import SamplingConfig
+
+    calls = []
+
+    def generate(prompts, sampling, seeds):
+        calls.append((len(prompts), sampling.max_tokens, sampling.n))
+        return [[Completion([p[-1] + 1] * sampling.max_tokens, [0.0] * sampling.max_tokens, True)] for p in prompts]
+
+    async def many(policy):
+        return await asyncio.gather(*(policy([i], 2 + i % 2, i) for i in range(5)))
+
+    for batched, expected in ((True, [(3, 2, 1), (2, 3, 1)]), (False, [(1, 2 + i % 2, 1) for i in range(5)])):
+        calls.clear()
+        results = asyncio.run(many(EnginePolicy(generate, SamplingConfig(n=4, max_tokens=9), batched)))
+        assert [r.tokens for r in results] == [[i + 1] * (2 + i % 2) for i in range(5)]
+        assert calls == expected
