@@ -122,6 +122,7 @@ def prepare(seed: int, launch_flags: list[str]) -> dict[str, str]:
     """The demo's files, built once per recipe and seed (cached like the other demos): the SFT model (trained
     here with ``openpack train_sft`` if missing), the RL and held-out prompts, and the tools file."""
     from openpack.cli import train_sft
+    from openpack.models.loading import quiet_progress_bars
     from openpack.models.tiny import tiny_causal_lm
 
     root = cache_root() / f"agent_demo-{code_key(Path(__file__))}-seed{seed}"
@@ -134,6 +135,7 @@ def prepare(seed: int, launch_flags: list[str]) -> dict[str, str]:
     base = root / "base"
     model = tiny_causal_lm("llama", seed=seed, vocab_size=len(tokenizer),
                            **{**DEMO_MODEL, "max_position_embeddings": MAX_POSITIONS})
+    quiet_progress_bars()  # no "Writing model shards" bar in a pipe
     model.save_pretrained(base)
     tokenizer.save_pretrained(base)
     (root / "tools.py").write_text(TOOLS_FILE)

@@ -221,15 +221,20 @@ def test_bad_agent_flags_are_named(flags, message, rl_model, tmp_path, capsys, o
     assert message.format(root=rl_model) in capsys.readouterr().err
 
 
-def test_an_openrlhf_agent_file_trains_through_vllm(tmp_path, rl_model, openrlhf_flags):
-    """In a subprocess, as a user runs it (an in-process engine tears down torch.distributed's default group)."""
+def test_an_openrlhf_agent_file_trains_through_vllm_asynchronously(tmp_path, rl_model, openrlhf_flags):
+    """In a subprocess, as a user runs it (an in-process engine tears down torch.distributed's default group), with
+    the next batch's episodes running on the engine while this one trains (--async_train, one version late).
+    Synchronous vLLM episodes with --tools are the agent demo's (test_agent_demo.py)."""
     pytest.importorskip("vllm")
     save_path = tmp_path / "run"
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
-            "--save_path", str(save_path), *openrlhf_flags, *COMMON[:-4], "--rollout_backend", "vllm", "--launcher", "local", *PACKED]
+            "--save_path", str(save_path), *openrlhf_flags, *COMMON[:-4], "--rollout_backend", "vllm",
+            "--launcher", "local", "--async_train", *PACKED]
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_grpo", *argv], capture_output=True,
                             text=True, timeout=HANG_S, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
-    for m in read_metrics(save_path):
-        assert m["vllm_logp_diff"] < 1e-4, m  # vLLM's log-probs of its own ids are the trainer's, turn after turn
+    metrics = read_metrics(save_path)
+    assert [m["async/staleness"] for m in metrics] == [0.0, 1.0]  # batch 2 sampled before update 1
+    for m in metrics:
+        assert m["vllm_logp_diff"] < 1e-4 or m["async/staleness"], m  # vLLM's log-probs of its own ids
         assert m["turns/mean"] > 1 and m["episodes/dropped_groups"] == 0
