@@ -283,7 +283,7 @@ def test_observation_tokens_are_context_and_get_no_gradient():
     from openpack.core.batch import collate_packed
     from openpack.models.packed import PackedCausalLM
     from openpack.models.tiny import tiny_causal_lm
-    from openpack.rl.episodes import Rollouts, Units
+    from openpack.rl.episodes import Units
     from openpack.rl.experience import response_values
 
     model = tiny_causal_lm("llama")
