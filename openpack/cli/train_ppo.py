@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from openpack.cli.config import ConfigError, RunConfig, arg
+from openpack.rl.agents.setup import agent_environment, episode_budget
 from openpack.cli.train_sft import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce, check_inputs,
                                     check_template_flags, demo_sft_model, planned_world_size, with_demo_defaults)
 from openpack.core.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
@@ -213,17 +214,18 @@ class AgentConfig:
     tools: str | None = arg(None, "a Python file whose typed, documented functions become tools: shown through the "
                             "chat template, called on Hermes <tool_call> JSON; the final answer is scored by "
                             "--reward_fn, else exact match with --label_key")
-    max_turns: int = arg(8, "actions per episode at most", at_least=1)
+    max_turns: int | None = arg(None, "actions per episode at most", at_least=1, special={None: "8"})
     max_episode_tokens: int | None = arg(None, "tokens of a whole episode at most (first observation included); "
                                          "each turn's generation is cut to what is left, and an episode that "
                                          "reaches it ends (counted)", at_least=2,
                                          special={None: "--prompt_max_len + --generate_max_len"})
-    env_timeout: float = arg(60.0, "seconds each reset and step of an environment may take; past it the episode "
-                             "ends, counted and left out of the update", above=0)
-    max_env_failure_fraction: float = arg(0.25, "a rollout batch whose share of episodes that raised or timed out "
-                                          "is above this stops the run with one line", at_least=0, at_most=1)
-    agent_concurrency: int = arg(64, "episodes under way at once (their turns batch into engine calls)",
-                                 at_least=1)
+    env_timeout: float | None = arg(None, "seconds each reset and step of an environment may take; past it the "
+                                    "episode ends, counted and left out of the update", above=0, special={None: "60"})
+    max_env_failure_fraction: float | None = arg(None, "a rollout batch whose share of episodes that raised or "
+                                                 "timed out is above this stops the run with one line", at_least=0,
+                                                 at_most=1, special={None: "0.25"})
+    agent_concurrency: int | None = arg(None, "episodes under way at once (their turns batch into engine calls)",
+                                        at_least=1, special={None: "64"})
     eval_prompt_data: str | None = arg(None, "held-out prompts: greedy episodes on them before and after "
                                        "training, logged as eval_success (share with reward > 0), eval_reward and "
                                        "eval_turns", special={None: "no held-out evaluation"})
@@ -373,14 +375,6 @@ def check_rl(cfg: PPORunConfig) -> None:
         check_agent(cfg)
 
 
-def episode_budget(cfg: PPORunConfig) -> int:
-    """The most tokens one sequence can have: a prompt and its completion, or a whole episode."""
-    single = cfg.data.prompt_max_len + cfg.rollout.generate_max_len
-    if not cfg.agent.enabled:
-        return single
-    return cfg.agent.max_episode_tokens or single
-
-
 def check_agent(cfg: PPORunConfig) -> None:
     """What multi-turn episodes cannot be combined with; the environment files load here, before any model."""
     agent_cfg, rl_cfg, data_cfg = cfg.agent, cfg.rl, cfg.data
@@ -407,7 +401,7 @@ def check_agent(cfg: PPORunConfig) -> None:
     from openpack.rl.agents.environment import EnvFileError
 
     try:
-        _, tools = agent_environment(agent_cfg, rl_cfg, data_cfg)
+        _, tools = agent_environment(agent_cfg, rl_cfg.reward_fn, data_cfg.label_key)
     except EnvFileError as err:
         raise ConfigError(str(err)) from err
     if tools and cfg.model.pretrain:
@@ -427,21 +421,6 @@ def check_shows_tools(pretrain: str, tools: list[dict]) -> None:
     if shown == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
         raise ConfigError(f"--tools: the chat template of --pretrain {pretrain} ignores tools=, so the model would "
                           "never see them; use a model whose template renders tools (Qwen-family), or --env_file")
-
-
-def agent_environment(agent_cfg, rl_cfg, data_cfg):
-    """(``make_env``, tool schemas or None) of the run's --env_file, --agent_func_path or --tools."""
-    from openpack.rl.agents.environment import load_env_file
-
-    if agent_cfg.env_file:
-        return load_env_file(agent_cfg.env_file, "--env_file"), None
-    if agent_cfg.agent_func_path:
-        return load_env_file(agent_cfg.agent_func_path, "--agent_func_path"), None
-    from openpack.rl.agents.tools import ToolEnvironment, answer_scorer, load_tools, tool_schemas
-
-    tools = load_tools(agent_cfg.tools)
-    score = answer_scorer(rl_cfg.reward_fn, data_cfg.label_key)
-    return (lambda: ToolEnvironment(tools, score)), tool_schemas(tools)
 
 
 def check_servable(pretrain: str, rollout_cfg) -> None:
@@ -529,16 +508,22 @@ def main(argv: list[str] | None = None, command: str = "train_ppo", run_config: 
 
 
 def with_agent_demo(cfg: PPORunConfig) -> PPORunConfig:
-    """``--demo agent``: the demo's SFT model (trained first and cached), prompts, held-out prompts and tools file,
-    for the flags the user left unset (``trainers/agent_demo.py``)."""
+    """``--demo agent``: the demo's SFT model (trained first with ``openpack train_sft`` and cached), prompts,
+    held-out prompts and tools file, for the flags the user left unset (``trainers/agent_demo.py``)."""
+    from openpack.cli import train_sft
     from openpack.trainers import agent_demo
 
     if cfg.model.pretrain or cfg.data.prompt_data or cfg.agent.enabled:
         raise ConfigError("--demo agent brings its own model, prompts and tools: drop --pretrain, --prompt_data, "
                           "--env_file, --agent_func_path and --tools")
-    launch_flags = ["--launcher", cfg.launch.launcher] + (["--ray_address", cfg.launch.ray_address]
-                                                          if cfg.launch.ray_address else [])
-    files = agent_demo.prepare(cfg.train.seed, launch_flags)
+    files, sft_argv = agent_demo.prepare(cfg.train.seed)
+    if sft_argv is not None:
+        print(f"openpack: training the agent demo's SFT model first (cached in {Path(files['model']).parent.parent})")
+        launch_flags = ["--launcher", cfg.launch.launcher] + (["--ray_address", cfg.launch.ray_address]
+                                                              if cfg.launch.ray_address else [])
+        code = train_sft.main([*sft_argv, *launch_flags])
+        if code != 0:  # the stage said why; its exit code is the command's
+            raise SystemExit(code)
     return replace(cfg, model=replace(cfg.model, pretrain=files["model"]),
                    data=replace(cfg.data, prompt_data=[files["prompts"]], label_key="answer"),
                    agent=replace(cfg.agent, tools=files["tools"],

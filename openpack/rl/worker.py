@@ -216,21 +216,19 @@ def _report_held_out(loop: RLLoop, prompts: list[Prompt], when: str) -> None:
 def agent_generator(cfg, generator: Generator, tokenizer):
     """Episodes of the run's environment instead of single completions (``rl/agents``): each prompt row, with its
     --input_key as ``prompt`` and its --label_key as ``label``, is the sample an environment resets on."""
-    from openpack.cli.train_ppo import agent_environment, episode_budget
     from openpack.rl.agents.generation import AgentGenerator
-    from openpack.rl.agents.runner import Limits
+    from openpack.rl.agents.setup import agent_environment, concurrency, episode_limits, max_failure_fraction
 
     agent_cfg, data_cfg = cfg.agent, cfg.data
-    make_env, tools = agent_environment(agent_cfg, cfg.rl, data_cfg)
-    limits = Limits(agent_cfg.max_turns, episode_budget(cfg), cfg.rollout.generate_max_len, agent_cfg.env_timeout)
+    make_env, tools = agent_environment(agent_cfg, cfg.rl.reward_fn, data_cfg.label_key)
 
     def sample_of(prompt: Prompt) -> dict:
         row = dict(prompt.row)
         label = row.get(data_cfg.label_key) if data_cfg.label_key else row.get("label")
         return {**row, "prompt": row[data_cfg.input_key], "label": label}
 
-    return AgentGenerator(generator, make_env, sample_of, tokenizer, limits, agent_cfg.agent_concurrency,
-                          agent_cfg.max_env_failure_fraction, tools)
+    return AgentGenerator(generator, make_env, sample_of, tokenizer, episode_limits(cfg), concurrency(agent_cfg),
+                          max_failure_fraction(agent_cfg), tools)
 
 
 def with_row_cap(cfg, model, dist):
@@ -243,7 +241,7 @@ def with_row_cap(cfg, model, dist):
     from openpack.distributed.process import broadcast_object
     from openpack.trainers.batching import default_row_cap
 
-    from openpack.cli.train_ppo import episode_budget
+    from openpack.rl.agents.setup import episode_budget
 
     longest = episode_budget(cfg)
     cap, why = broadcast_object(default_row_cap(model, cfg.model, dist, longest) if dist.is_main else None)

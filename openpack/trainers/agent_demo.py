@@ -118,10 +118,10 @@ def _write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def prepare(seed: int, launch_flags: list[str]) -> dict[str, str]:
-    """The demo's files, built once per recipe and seed (cached like the other demos): the SFT model (trained
-    here with ``openpack train_sft`` if missing), the RL and held-out prompts, and the tools file."""
-    from openpack.cli import train_sft
+def prepare(seed: int) -> tuple[dict[str, str], list[str] | None]:
+    """The demo's files, built once per recipe and seed (cached like the other demos): the SFT model, the RL and
+    held-out prompts, and the tools file; and, while the SFT model is missing, the ``openpack train_sft`` arguments
+    that train it (the command runs them: ``cli/train_ppo.with_agent_demo``)."""
     from openpack.models.loading import quiet_progress_bars
     from openpack.models.tiny import tiny_causal_lm
 
@@ -129,8 +129,7 @@ def prepare(seed: int, launch_flags: list[str]) -> dict[str, str]:
     files = {"tools": str(root / "tools.py"), "prompts": str(root / "prompts.jsonl"),
              "eval": str(root / "eval.jsonl"), "model": str(root / "sft" / "model")}
     if (root / "sft" / "model" / "config.json").exists():
-        return files
-    print(f"openpack: building the agent demo's SFT model first (cached in {root})")
+        return files, None
     tokenizer = build_agent_tokenizer()
     base = root / "base"
     model = tiny_causal_lm("llama", seed=seed, vocab_size=len(tokenizer),
@@ -142,13 +141,9 @@ def prepare(seed: int, launch_flags: list[str]) -> dict[str, str]:
     _write_jsonl(root / "prompts.jsonl", prompt_rows("train", PROMPTS))
     _write_jsonl(root / "eval.jsonl", prompt_rows("eval", EVAL_PROBLEMS))
     sft_data = _write_jsonl(root / "sft_data.jsonl", sft_rows(seed=seed))
-    code = train_sft.main(["--pretrain", str(base), "--dataset", sft_data,
-                           "--save_path", str(root / "sft"), "--overwrite", "--seed", str(seed),
-                           "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "2048",
-                           "--max_len", str(MAX_POSITIONS), "--train_batch_size", "64", "--max_epochs", "6",
-                           "--learning_rate", "0.003", "--lr_scheduler", "cosine", "--lr_warmup_ratio", "0.06",
-                           "--min_lr_ratio", "0.1", "--weight_decay", "0.01", "--adam_betas", "0.9", "0.98",
-                           "--logging_steps", "20", *launch_flags])
-    if code != 0:
-        raise SystemExit(code)
-    return files
+    return files, ["--pretrain", str(base), "--dataset", sft_data, "--save_path", str(root / "sft"), "--overwrite",
+                   "--seed", str(seed), "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "2048",
+                   "--max_len", str(MAX_POSITIONS), "--train_batch_size", "64", "--max_epochs", "6",
+                   "--learning_rate", "0.003", "--lr_scheduler", "cosine", "--lr_warmup_ratio", "0.06",
+                   "--min_lr_ratio", "0.1", "--weight_decay", "0.01", "--adam_betas", "0.9", "0.98",
+                   "--logging_steps", "20"]

@@ -51,9 +51,9 @@ def test_the_check_sees_a_changed_setting(tmp_path):
 def test_sections_are_typed_and_named():
     cfg = train_ppo.GRPORunConfig.parse(["--config", str(BEFORE / "train_grpo.yaml")], "openpack train_grpo", "")
     assert [f.name for f in dataclasses.fields(cfg)] == ["model", "data", "train", "output", "rollout", "rl",
-                                                          "launch"]
+                                                          "launch", "agent"]
     assert isinstance(cfg.rollout, train_ppo.GRPORolloutConfig) and isinstance(cfg.rl, train_ppo.GRPOConfig)
     assert cfg.rollout.n_samples_per_prompt == 8 and cfg.data.label_key == "answer" and cfg.model.pretrain == "org/model"
     assert train_ppo.CONFIGS == (train_sft.ModelConfig, train_ppo.PromptDataConfig, train_ppo.RLTrainConfig,
                                  train_sft.OutputConfig, train_ppo.RolloutConfig, train_ppo.RLConfig,
-                                 train_sft.LaunchConfig)
+                                 train_sft.LaunchConfig, train_ppo.AgentConfig)
