@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from openpack.cli.config import ConfigError, RunConfig, arg
+from openpack.rl.agents import setup as agent_setup
 from openpack.rl.agents.setup import agent_environment, episode_budget
 from openpack.cli.train_sft import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce, check_inputs,
                                     check_template_flags, demo_sft_model, planned_world_size, with_demo_defaults)
@@ -214,18 +215,18 @@ class AgentConfig:
     tools: str | None = arg(None, "a Python file whose typed, documented functions become tools: shown through the "
                             "chat template, called on Hermes <tool_call> JSON; the final answer is scored by "
                             "--reward_fn, else exact match with --label_key")
-    max_turns: int | None = arg(None, "actions per episode at most", at_least=1, special={None: "8"})
+    max_turns: int | None = arg(None, "actions per episode at most", at_least=1, special={None: str(agent_setup.MAX_TURNS)})
     max_episode_tokens: int | None = arg(None, "tokens of a whole episode at most (first observation included); "
                                          "each turn's generation is cut to what is left, and an episode that "
                                          "reaches it ends (counted)", at_least=2,
                                          special={None: "--prompt_max_len + --generate_max_len"})
     env_timeout: float | None = arg(None, "seconds each reset and step of an environment may take; past it the "
-                                    "episode ends, counted and left out of the update", above=0, special={None: "60"})
+                                    "episode ends, counted and left out of the update", above=0, special={None: f"{agent_setup.ENV_TIMEOUT_S:g}"})
     max_env_failure_fraction: float | None = arg(None, "a rollout batch whose share of episodes that raised or "
                                                  "timed out is above this stops the run with one line", at_least=0,
-                                                 at_most=1, special={None: "0.25"})
+                                                 at_most=1, special={None: str(agent_setup.MAX_FAILURE_FRACTION)})
     agent_concurrency: int | None = arg(None, "episodes under way at once (their turns batch into engine calls)",
-                                        at_least=1, special={None: "64"})
+                                        at_least=1, special={None: str(agent_setup.CONCURRENCY)})
     eval_prompt_data: str | None = arg(None, "held-out prompts: greedy episodes on them before and after "
                                        "training, logged as eval_success (share with reward > 0), eval_reward and "
                                        "eval_turns", special={None: "no held-out evaluation"})
@@ -243,6 +244,12 @@ class AgentConfig:
         given = [f"--{name}" for name in ("env_file", "agent_func_path", "tools") if getattr(self, name)]
         if len(given) > 1:
             raise ConfigError(f"{' and '.join(given)}: give one environment (--tools runs the built-in tool loop)")
+        limits = [f"--{name}" for name in ("max_turns", "max_episode_tokens", "env_timeout",
+                                             "max_env_failure_fraction", "agent_concurrency")
+                  if getattr(self, name) is not None]
+        if limits and not self.enabled and not self.demo:
+            raise ConfigError(f"{', '.join(limits)} bound multi-turn episodes: add --env_file, --agent_func_path or "
+                              "--tools, or drop them")
         if self.eval_prompt_data and not self.enabled and not self.demo:
             raise ConfigError("--eval_prompt_data runs held-out episodes: add --env_file, --agent_func_path or "
                               "--tools, or drop it")

@@ -37,12 +37,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_demo_tokenizer():
-    """The demo tokenizer as a ``PreTrainedTokenizerFast`` (save/load with the usual HF calls)."""
+def build_demo_tokenizer(extra_characters: str = ""):
+    """The demo tokenizer as a ``PreTrainedTokenizerFast`` (save/load with the usual HF calls); ``extra_characters``
+    get the ids after the demo's own (the agent demo's JSON characters)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS + extra_characters))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # Every character is its own piece ("[\s\S]", not ".", so "\n" is one too);
     # Fuse joins the pieces back without the spaces WordLevel would put between them.

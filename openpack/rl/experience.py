@@ -77,23 +77,17 @@ def advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, ref: 
     if settings.reward_kl:
         penalty = -settings.kl_coef * torch.cat([kl(old[k], ref[k], settings.policy.kl_estimator)
                                                  for k in range(len(lengths))])
-    if settings.per_turn_reward:  # episodes: each turn's reward on its last sampled token, none at the end
+    outcome = torch.tensor(rollouts.rewards)
+    if settings.per_turn_reward:  # episodes: each turn's reward on its last sampled token, none as the outcome
         credit = torch.tensor([x for turns in rollouts.turn_credit for x in turns], dtype=torch.float64)
         penalty = credit if penalty is None else penalty.double() + credit
-        outcome = torch.zeros(len(lengths))
-        if settings.critic:
-            rewards = token_rewards(outcome, segment_ids, penalty)
-            advantage, returns = gae(rewards, torch.cat([values[k] for k in range(len(lengths))]), segment_ids,
-                                     settings.gamma, settings.lambd)
-            return list(whiten(advantage).split(lengths)), list(returns.split(lengths))
-        return list(whiten(token_returns(outcome, segment_ids, penalty, settings.gamma)).split(lengths)), None
+        outcome = torch.zeros_like(outcome)
     if settings.critic:
-        rewards = token_rewards(torch.tensor(rollouts.rewards), segment_ids, penalty)
+        rewards = token_rewards(outcome, segment_ids, penalty)
         advantage, returns = gae(rewards, torch.cat([values[k] for k in range(len(lengths))]), segment_ids,
                                  settings.gamma, settings.lambd)
         return list(whiten(advantage).split(lengths)), list(returns.split(lengths))
-    scalars = sequence_advantages(torch.tensor(rollouts.rewards), settings.n_samples_per_prompt,
-                                  settings.advantage_estimator)
+    scalars = sequence_advantages(outcome, settings.n_samples_per_prompt, settings.advantage_estimator)
     returns = token_returns(scalars, segment_ids, penalty, settings.gamma)
     if whitens(settings.advantage_estimator):
         returns = whiten(returns)

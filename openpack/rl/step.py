@@ -107,8 +107,7 @@ def rl_step(loop: RLLoop, planned: RankStep) -> dict:
     sync_s = loop.colocation.push_s if loop.colocation else \
         push_weights(loop.sync, run.engine, loop.model_cfg.zero_stage, dist) if loop.sync is not None else 0.0
     return {**rollout_metrics(rollouts, generation_s), **episode_metrics, **loop.pipeline.metrics, **reward_metrics,
-            **metrics,
-            **timings, **_sync_metrics(loop.sync), "time/reward": reward_s, "time/weight_sync": sync_s,
+            **metrics, **timings, **_sync_metrics(loop.sync), "time/reward": reward_s, "time/weight_sync": sync_s,
             "lr": run.engine.get_lr()[0], "step_time_s": time.perf_counter() - start}
 
 

@@ -239,9 +239,8 @@ def with_row_cap(cfg, model, dist):
     if train_cfg.max_tokens_per_gpu is not None:
         return cfg
     from openpack.distributed.process import broadcast_object
-    from openpack.trainers.batching import default_row_cap
-
     from openpack.rl.agents.setup import episode_budget
+    from openpack.trainers.batching import default_row_cap
 
     longest = episode_budget(cfg)
     cap, why = broadcast_object(default_row_cap(model, cfg.model, dist, longest) if dist.is_main else None)

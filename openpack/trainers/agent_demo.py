@@ -22,6 +22,7 @@ import json
 import random
 from pathlib import Path
 
+from openpack.data.demo_tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE, build_demo_tokenizer
 from openpack.trainers.demo import DEMO_MODEL, cache_root, code_key
 
 TOOL_SHARE = 0.35  # SFT conversations that call the tool; the others answer (mostly wrongly) at once
@@ -32,19 +33,11 @@ TOOL_CALL, TOOL_END = "<tool_call>", "</tool_call>"
 EXTRA_CHARACTERS = '{}",_'
 MAX_POSITIONS = 160
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if tools -%}{{ 'system: tools' }}{%- for tool in tools -%}{{ ' ' + tool['function']['name'] }}"
-    "{%- endfor -%}{{ '\n' }}{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{{ 'assistant: ' }}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
-    "{%- else -%}"
-    "{{ message['role'] + ': ' + message['content'] + '\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ 'assistant: ' }}{%- endif -%}"
-)
+# the demo tokenizer's template with the tools shown as a system line after <bos>
+CHAT_TEMPLATE = DEMO_CHAT_TEMPLATE.replace(
+    "{{ bos_token }}",
+    "{{ bos_token }}{%- if tools -%}{{ 'system: tools' }}{%- for tool in tools -%}{{ ' ' + tool['function']['name'] }}"
+    "{%- endfor -%}{{ '\n' }}{%- endif -%}", 1)
 
 TOOLS_FILE = '''"""The agent demo's calculator (``openpack train_grpo --demo agent``)."""
 
@@ -63,18 +56,7 @@ def add(a: int, b: int) -> int:
 def build_agent_tokenizer():
     """The demo tokenizer with JSON's characters and the two tool-call markers (added, not special: decoding an
     action with ``skip_special_tokens`` keeps them) and the template above."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from openpack.data.demo_tokenizer import CHARACTERS, SPECIAL_TOKENS
-
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS + EXTRA_CHARACTERS))}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
-                                        eos_token="<eos>", unk_token="<unk>", clean_up_tokenization_spaces=False,
-                                        model_max_length=512)
+    tokenizer = build_demo_tokenizer(EXTRA_CHARACTERS)
     tokenizer.add_tokens([TOOL_CALL, TOOL_END])
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -138,7 +138,7 @@ class AgentGenerator:
             episodes = broadcast_object(local)
         check_failures(episodes, self.max_failure_fraction)
         rollouts, dropped = episode_rollouts(episodes, self.generator.sampling.n, pending.version)
-        self.metrics = {**episode_metrics(episodes), **tool_metrics(episodes),
+        self.metrics = {**episode_metrics(episodes), **environment_metrics(episodes),
                         "episodes/dropped_groups": float(dropped)}
         failures = Counter(e.stop for e in episodes if e.failed)
         if failures and dist.is_main:
@@ -155,11 +155,11 @@ class AgentGenerator:
         eval_reward, eval_turns, eval_failed."""
         episodes = held_out_episodes(model, self.tokenizer, [self.rows_of(p) for p in prompts], self.make_env,
                                      self.limits, self.tools, self.concurrency)
-        ran = [e for e in episodes if not e.failed] or [Episode([])]
+        ran = [e for e in episodes if not e.failed]
         return {"eval_success": sum(e.reward > 0 for e in ran) / len(episodes),
-                "eval_reward": sum(e.reward for e in ran) / len(ran),
-                "eval_turns": sum(e.turns for e in ran) / len(ran),
-                "eval_failed": float(sum(e.failed for e in episodes))}
+                "eval_reward": sum(e.reward for e in ran) / max(len(ran), 1),
+                "eval_turns": sum(e.turns for e in ran) / max(len(ran), 1),
+                "eval_failed": float(len(episodes) - len(ran))}
 
     def _run_into(self, pending: AgentPending) -> None:
         """Run this rank's episodes of ``pending`` (in this thread, with its own event loop); errors kept."""
@@ -207,7 +207,7 @@ def episode_rollouts(episodes: list[Episode], n: int, version: int) -> tuple[Rol
     return rollouts, dropped
 
 
-def tool_metrics(episodes: list[Episode]) -> dict[str, float]:
+def environment_metrics(episodes: list[Episode]) -> dict[str, float]:
     """The built-in tool loop's counts over the batch (its environments report them per episode), and the mean of
     every other metric the environments report (``env/<name>``)."""
     ran = [e for e in episodes if not e.failed]
