@@ -3,8 +3,10 @@ rollout batch, prompt + completion per completion vs prompt | completion | ... p
 
     python benchmarks/rl_prefix_sharing.py                 # long prompts: 384 tokens, completions <= 64, n = 8
     python benchmarks/rl_prefix_sharing.py --smoke         # seconds: a tiny model and batch (CI)
+    python benchmarks/rl_prefix_sharing.py --model 0.5b --device cuda --dtype bfloat16   # a GPU (torch varlen)
 
-The model is grpo_vs_trl.py's random 9.8M Llama (fp32, random init), the batch is random token ids: 4 prompts of
+The model is grpo_vs_trl.py's random 9.8M Llama (fp32, random init), or with ``--model 0.5b`` gpu_mfu.py's
+Qwen2.5-0.5B shape (vocabulary 151,936, tied embeddings; random init); the batch is random token ids: 4 prompts of
 384 tokens x 8 completions of 16-64 tokens, packed into rows of at most --max_tokens. Each arm runs --repeats
 timed passes after one warm-up, alternating arms; reported per arm: tokens computed, median seconds per pass, and
 the two ratios. The pass is what every training-side pass (update, old policy, reference, critic) costs; the
@@ -21,6 +23,7 @@ import torch
 
 from openpack.core.batch import collate_packed
 from openpack.core.schedule import plan_scoring
+from openpack.models.attention import resolve_backend, set_attention_backend
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm
 from openpack.rl.episodes import Rollouts, Units
@@ -39,10 +42,12 @@ def batch_of(prompts: int, n: int, prompt_len: int, completion_range: tuple[int,
     return Rollouts(prompt_tokens, completions, [[0.0] * len(c) for c in completions], [True] * len(completions))
 
 
-def one_pass(module, rows) -> None:
+def one_pass(module, rows, device: torch.device) -> None:
     module.zero_grad(set_to_none=True)
     for batch in rows:
-        response_values(batch, module(batch)).sum().backward()
+        response_values(batch, module(batch)).float().sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -50,8 +55,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max_tokens", type=int, default=16384)
+    parser.add_argument("--model", choices=["9.8m", "0.5b"], default="9.8m")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--attn_backend", default="auto", help="openpack's packed attention backend")
     args = parser.parse_args()
     torch.manual_seed(0)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    set_attention_backend(args.attn_backend)
     if args.smoke:
         shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2)
@@ -60,32 +71,46 @@ def main() -> None:
         shape = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
                      num_key_value_heads=2)
         prompts, n, prompt_len, completion_range, repeats = 4, 8, 384, (16, 64), args.repeats
-    model = tiny_causal_lm("llama", vocab_size=64, max_position_embeddings=1024, **shape)
+    if args.model == "0.5b" and not args.smoke:
+        from gpu_mfu import SIZES, build
+
+        model, vocab = build("0.5b", dtype, device, seed=0), SIZES["0.5b"]["vocab_size"]
+        described = "Qwen2.5-0.5B shape: 24 layers, width 896"
+    else:
+        model, vocab = tiny_causal_lm("llama", vocab_size=64, max_position_embeddings=1024, **shape), 64
+        model = model.to(device=device, dtype=dtype)
+        described = f"Llama {shape['num_hidden_layers']} layers, width {shape['hidden_size']}"
     module = PackedCausalLM(model)
-    rollouts = batch_of(prompts, n, prompt_len, completion_range, 64, seed=0)
+    rollouts = batch_of(prompts, n, prompt_len, completion_range, vocab, seed=0)
     arms = {}
     for name, shared in (("unshared", False), ("prefix_sharing", True)):
         units = Units(rollouts, shared, n, args.max_tokens)
         ids = units.add(range(len(rollouts.completion_tokens)))
         (rows,) = plan_scoring([units.lengths[u] for u in ids], 1, args.max_tokens)
         batches = [collate_packed([s for u in (ids[i] for i in row) for s in units.segments(u)]) for row in rows]
-        arms[name] = {"rows": batches, "tokens": sum(b.num_tokens for b in batches), "times": []}
+        arms[name] = {"rows": [b.to(device) for b in batches], "tokens": sum(b.num_tokens for b in batches), "times": []}
     for arm in arms.values():
-        one_pass(module, arm["rows"])  # warm-up
+        one_pass(module, arm["rows"], device)  # warm-up
     for _ in range(repeats):
         for arm in arms.values():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            one_pass(module, arm["rows"])
+            one_pass(module, arm["rows"], device)
             arm["times"].append(time.perf_counter() - start)
+            if device.type == "cuda":
+                arm["peak_gib"] = max(arm.get("peak_gib", 0.0), torch.cuda.max_memory_allocated() / 2**30)
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: Llama {shape['num_hidden_layers']} layers, width {shape['hidden_size']}, {params / 1e6:.1f}M "
-          f"parameters, fp32, {torch.get_num_threads()} threads; batch: {prompts} prompts of {prompt_len} tokens x "
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"model: {described}, {params / 1e6:.1f}M parameters, {args.dtype}, {where}, attention "
+          f"{resolve_backend(device, dtype)}; batch: {prompts} prompts of {prompt_len} tokens x "
           f"{n} completions of {completion_range[0]}-{completion_range[1]} tokens; rows <= {args.max_tokens} tokens; "
           f"{repeats} timed passes per arm (median)")
-    print("| arm | tokens computed | rows | s / pass (fwd + bwd) |")
-    print("|---|---:|---:|---:|")
+    print("| arm | tokens computed | rows | s / pass (fwd + bwd) | peak memory (GiB) |")
+    print("|---|---:|---:|---:|---:|")
     for name, arm in arms.items():
-        print(f"| {name} | {arm['tokens']} | {len(arm['rows'])} | {statistics.median(arm['times']):.3f} |")
+        print(f"| {name} | {arm['tokens']} | {len(arm['rows'])} | {statistics.median(arm['times']):.3f} | "
+              f"{arm.get('peak_gib', float('nan')):.1f} |")
     plain, shared = arms["unshared"], arms["prefix_sharing"]
     print(f"prefix sharing: {shared['tokens'] / plain['tokens']:.2f}x the tokens, "
           f"{statistics.median(shared['times']) / statistics.median(plain['times']):.2f}x the time per pass")

@@ -31,7 +31,10 @@ Sections, each recorded whatever the others did (a failure is a result):
 5. MFU: ``benchmarks/gpu_mfu.py`` (packed vs padded, the 0.5B shape; ``--mfu_sizes 0.5b 1.5b`` for both);
 6. ``--fused_loss``: the LM head alone, chunked vs fused, bf16, 8192 tokens at width 896, vocab 32000 and
    151936 (``benchmarks/fused_loss.py --head_only``): kept as an option because it wins on CPU; this says
-   whether it does on a GPU.
+   whether it does on a GPU;
+7. RL ``--prefix_sharing``: one training-side pass (forward + backward of the token log-probs) over a long-prompt
+   rollout batch (4 prompts of 384 tokens x 8 completions of 16-64), shared vs unshared, on the 0.5B shape in
+   bf16 (``benchmarks/rl_prefix_sharing.py --model 0.5b``).
 
 Only three files come back (the device returns at most 8): ``verification_block.md``, ``runbook.log`` (every
 command's output) and ``results.json``. A section that would start after ``--budget_s`` is skipped, with a line
@@ -294,6 +297,16 @@ def fused_loss(book: Runbook) -> list[str]:
         f"`{' '.join(argv[1:])}` exit {code}: no table (see runbook.log)."]
 
 
+def rl_prefix_sharing(book: Runbook) -> list[str]:
+    argv = [sys.executable, "benchmarks/rl_prefix_sharing.py"] + (["--smoke"] if book.dry_run else [
+        "--model", "0.5b", "--device", "cuda", "--dtype", "bfloat16"])
+    code, output = book.command("rl_prefix_sharing", argv, 180)
+    book.results["rl_prefix_sharing"] = {"exit": code}
+    kept = [line for line in output.splitlines() if line.startswith(("model:", "|", "prefix sharing:"))]
+    return [f"`{' '.join(argv[1:])}` (exit {code}):", "", *kept] if kept else [
+        f"`{' '.join(argv[1:])}` exit {code}: no table (see runbook.log)."]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runbook_out")),
@@ -321,6 +334,8 @@ def main(argv=None) -> int:
     book.section("DPO tokens/s: openpack vs TRL", lambda: dpo_vs_trl(book, *trl_settings))
     book.section("MFU: packed vs padded DPO (benchmarks/gpu_mfu.py)", lambda: mfu(book, args.mfu_sizes))
     book.section("Fused LM head + loss vs chunked (benchmarks/fused_loss.py --head_only)", lambda: fused_loss(book))
+    book.section("RL prefix sharing: one training-side pass (benchmarks/rl_prefix_sharing.py)",
+                 lambda: rl_prefix_sharing(book))
     book.write()
     block = (args.out / "verification_block.md").read_text()
     print(block)
