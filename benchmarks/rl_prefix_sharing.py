@@ -55,10 +55,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max_tokens", type=int, default=16384)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts in the rollout batch (8 completions each)")
     parser.add_argument("--model", choices=["9.8m", "0.5b"], default="9.8m")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--attn_backend", default="auto", help="openpack's packed attention backend")
+    parser.add_argument("--profile", action="store_true",
+                        help="then one profiled pass per arm: forward alone timed, and torch.profiler's top ops")
     args = parser.parse_args()
     torch.manual_seed(0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -70,7 +73,7 @@ def main() -> None:
     else:
         shape = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
                      num_key_value_heads=2)
-        prompts, n, prompt_len, completion_range, repeats = 4, 8, 384, (16, 64), args.repeats
+        prompts, n, prompt_len, completion_range, repeats = args.prompts, 8, 384, (16, 64), args.repeats
     if args.model == "0.5b" and not args.smoke:
         from gpu_mfu import SIZES, build
 
@@ -114,6 +117,31 @@ def main() -> None:
     plain, shared = arms["unshared"], arms["prefix_sharing"]
     print(f"prefix sharing: {shared['tokens'] / plain['tokens']:.2f}x the tokens, "
           f"{statistics.median(shared['times']) / statistics.median(plain['times']):.2f}x the time per pass")
+    if args.profile:
+        for name, arm in arms.items():
+            profile_pass(name, module, arm["rows"], device)
+
+
+def profile_pass(name: str, module, rows, device: torch.device) -> None:
+    """The forward alone (no grad) timed, then one pass under torch.profiler: top ops by self device and by self
+    host time (host syncs show as cudaStreamSynchronize / cudaMemcpyAsync rows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        for batch in rows:
+            module(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    print(f"\n{name}: forward alone (no grad) {time.perf_counter() - start:.3f} s")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        one_pass(module, rows, device)
+    averages = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(averages.table(sort_by=sort, row_limit=15, max_name_column_width=60))
+    if device.type == "cuda":
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 if __name__ == "__main__":
