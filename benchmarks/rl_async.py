@@ -1,6 +1,6 @@
 """Asynchronous RL on CPU: the GRPO demo with ``--async_train --max_staleness 1`` vs the synchronous loop.
 
-    python benchmarks/rl_async.py [--repeats 3] [--steps 10] [--launcher ray] [--out DIR]
+    python benchmarks/rl_async.py [--repeats 3] [--steps 10] [--launcher ray] [--out DIR] [-- TRAIN_GRPO_FLAGS]
 
 Each run is ``openpack train_grpo`` with the built-in demo's settings (``--config`` its grpo.yaml: 32 prompts x 8
 completions per rollout batch, exact match on the bare answer, vLLM rollouts) on its cached SFT model and prompts,
@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--launcher", default="ray", choices=["ray", "local"],
                         help="ray: the engine is a Ray actor; local: in the trainer's process, on a worker thread")
     parser.add_argument("--out", type=Path, default=None, help="work folder to keep (runs, logs, results.json)")
+    parser.add_argument("extra", nargs="*", help="after --: flags given to train_grpo in both arms (another workload, "
+                                                 "e.g. -- --generate_max_len 32 --temperature 2.0)")
     return parser.parse_args(argv)
 
 
@@ -58,7 +60,7 @@ def prepare(work: Path) -> list[str]:
 
 def run(arm: str, save_path: Path, args, inputs: list[str]) -> dict:
     cmd = [sys.executable, "-m", "openpack.cli.main", "train_grpo", *inputs, "--max_steps", str(args.steps),
-           "--launcher", args.launcher, "--save_path", str(save_path), *ARMS[arm]]
+           "--launcher", args.launcher, "--save_path", str(save_path), *args.extra, *ARMS[arm]]
     start = time.perf_counter()
     with open(save_path.with_suffix(".log"), "w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
@@ -96,6 +98,7 @@ def main(argv=None) -> int:
         print(f"{arm:6} | " + " | ".join(f"{statistics.median(r[key] for r in mine):.3f}" for key in
                                          ("step_time_s", "time/generation", "time/training", "time/experience",
                                           "time/weight_sync")))
+    print(f"train_grpo flags added to the demo's: {' '.join(args.extra) or 'none'}")
     print(f"step-time ratio async / sync: {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}), "
           f"load average {load[0]:.1f} -> {load[1]:.1f}, {os.cpu_count()} CPUs")
     # issue 26's bound: a step that hides generation costs max(generation, the rest), the sync arm's phases
