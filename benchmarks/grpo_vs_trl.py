@@ -127,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny random model, 4 prompts x 4, 8 tokens, 2 steps, 1 repeat; docs only to a "
                              "--markdown file")
+    parser.add_argument("--arms", default=None,
+                        help=f"comma-separated openpack arms to run beside TRL (default all: {', '.join(OPENPACK_ARMS)}); "
+                             "a subset writes no docs section (its text names every arm): give --markdown none")
     parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.command = f"python benchmarks/grpo_vs_trl.py {harness.given_flags(argv)}".rstrip()
@@ -145,9 +148,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.workload == "long" and "demo" in args.models:
         parser.error("--workload long runs random-init models only (the demo model was trained on 6-token prompts)")
     args.markdown, args.chart = harness.docs_outputs(args.markdown, args.chart, args.section, args.smoke)
+    if args.arms is not None:
+        chosen = [arm.strip() for arm in args.arms.split(",")]
+        if set(chosen) - set(OPENPACK_ARMS) or not chosen:
+            parser.error(f"--arms: unknown {sorted(set(chosen) - set(OPENPACK_ARMS))}; choose from "
+                         f"{', '.join(OPENPACK_ARMS)}")
+        if args.markdown is not None:
+            parser.error("--arms: a subset of the arms writes no docs section; add --markdown none")
+        select_arms(chosen)
     if (args.prompts_per_step * args.n) % TRL_MICRO_BATCH:
         parser.error(f"prompts_per_step x n must be a multiple of TRL's micro-batch of {TRL_MICRO_BATCH}")
     return args
+
+
+def select_arms(chosen: list[str]) -> None:
+    """Run only these openpack arms (and TRL): every table and summary reads the two tuples below."""
+    global OPENPACK_ARMS, ARMS
+    OPENPACK_ARMS = tuple(arm for arm in OPENPACK_ARMS if arm in chosen)
+    ARMS = (*OPENPACK_ARMS, "TRL")
 
 
 # ---------------------------------------------------------------- TRL, in its own process

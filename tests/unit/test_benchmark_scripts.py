@@ -188,3 +188,15 @@ def test_cpu_attention_smoke():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     passes = [line.split("|")[4].strip() for line in result.stdout.splitlines() if line.startswith("| smoke")]
     assert passes == ["fwd", "fwd + bwd"] * 2
+
+
+def test_rl_async_passes_flags_after_the_separator_to_both_arms():
+    """benchmarks/rl_async.py ... -- FLAGS: another workload, the same FLAGS in the sync and the async arm."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import rl_async
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    args = rl_async.parse_args(["--steps", "2", "--", "--generate_max_len", "32", "--temperature", "2.0"])
+    assert args.steps == 2 and args.extra == ["--generate_max_len", "32", "--temperature", "2.0"]
+    assert rl_async.parse_args([]).extra == []
