@@ -152,6 +152,21 @@ def test_grpo_vs_trl_long_prompts_are_few_shot_lines_then_the_question():
     assert lines and all(int(a) + int(b) == int(c) for a, b, c in (re.split("[+=]", line) for line in lines))
 
 
+def test_grpo_vs_trl_runs_a_subset_of_arms_without_a_docs_section(monkeypatch):
+    """--arms openpack: the default arm and TRL only (the ~100M model's run); a docs section needs every arm."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import grpo_vs_trl
+
+    monkeypatch.setattr(grpo_vs_trl, "OPENPACK_ARMS", grpo_vs_trl.OPENPACK_ARMS)
+    monkeypatch.setattr(grpo_vs_trl, "ARMS", grpo_vs_trl.ARMS)
+    with pytest.raises(SystemExit):
+        grpo_vs_trl.parse_args(["--workload", "long", "--arms", "openpack"])  # would write docs/benchmarks.md
+    with pytest.raises(SystemExit):
+        grpo_vs_trl.parse_args(["--arms", "openpack nope", "--markdown", "none"])
+    grpo_vs_trl.parse_args(["--workload", "long", "--models", "big", "--arms", "openpack", "--markdown", "none"])
+    assert grpo_vs_trl.ARMS == ("openpack", "TRL") and grpo_vs_trl.OPENPACK_ARMS == ("openpack",)
+
+
 @pytest.mark.slow
 def test_prefix_sharing_smoke(tmp_path):
     """All four arms run on a tiny model; prefix sharing computes fewer tokens and gives the same losses, and
