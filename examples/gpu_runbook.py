@@ -33,8 +33,8 @@ Sections, each recorded whatever the others did (a failure is a result):
    151936 (``benchmarks/fused_loss.py --head_only``): kept as an option because it wins on CPU; this says
    whether it does on a GPU;
 7. RL ``--prefix_sharing``: one training-side pass (forward + backward of the token log-probs) over a long-prompt
-   rollout batch (4 prompts of 384 tokens x 8 completions of 16-64), shared vs unshared, on the 0.5B shape in
-   bf16 (``benchmarks/rl_prefix_sharing.py --model 0.5b``).
+   rollout batch (16 prompts of 384 tokens x 8 completions of 16-64), shared vs unshared, on the 0.5B shape in
+   bf16 (``benchmarks/rl_prefix_sharing.py --model 0.5b --prompts 16``; 4 prompts are host-bound on an H100).
 
 Only three files come back (the device returns at most 8): ``verification_block.md``, ``runbook.log`` (every
 command's output) and ``results.json``. A section that would start after ``--budget_s`` is skipped, with a line
@@ -299,7 +299,7 @@ def fused_loss(book: Runbook) -> list[str]:
 
 def rl_prefix_sharing(book: Runbook) -> list[str]:
     argv = [sys.executable, "benchmarks/rl_prefix_sharing.py"] + (["--smoke"] if book.dry_run else [
-        "--model", "0.5b", "--device", "cuda", "--dtype", "bfloat16"])
+        "--model", "0.5b", "--device", "cuda", "--dtype", "bfloat16", "--prompts", "16"])
     code, output = book.command("rl_prefix_sharing", argv, 180)
     book.results["rl_prefix_sharing"] = {"exit": code}
     kept = [line for line in output.splitlines() if line.startswith(("model:", "|", "prefix sharing:"))]

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openpack.core.batch import CHOSEN, PROMPT, Segment, collate_packed
+from openpack.core.batch import collate_packed
 from openpack.models.attention import _shared_prefix_attention, set_attention_backend
 from openpack.models.tiny import TINY_ARCHS, tiny_causal_lm
-from openpack.models.verify import shared_prefix_mask, shared_vs_unpacked, within_error_budget
+from openpack.models.verify import random_groups, shared_prefix_mask, shared_vs_unpacked, within_error_budget
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -40,14 +40,7 @@ def skip_missing(backend):
 
 
 def shared_row():
-    generator = torch.Generator().manual_seed(0)
-    segments = []
-    for sample, (prompt, completions) in enumerate(GROUPS):
-        segments.append(Segment(torch.randint(3, 256, (prompt,), generator=generator).tolist(), [False] * prompt,
-                                sample, PROMPT))
-        segments += [Segment(torch.randint(3, 256, (n,), generator=generator).tolist(), [True] * n, sample, CHOSEN,
-                             after_prompt=True) for n in completions]
-    return collate_packed(segments)
+    return collate_packed(random_groups(GROUPS, vocab_size=256)[0])
 
 
 def masked_attention(q, k, v, mask):
