@@ -1,13 +1,13 @@
-"""The built-in multi-turn demo (``openpack train_grpo --demo agent``): three-digit addition with a calculator.
+"""The built-in multi-turn demo (``openpack train_grpo --demo agent``): three-digit multiplication with a calculator.
 
 The demo model (the 3-layer, width-128 Llama of ``trainers/demo.py``) over a character tokenizer that also knows
-JSON's characters and the Hermes markers ``<tool_call>``/``</tool_call>`` (one token each) cannot add two
-three-digit numbers itself, but it can call ``add`` and copy the result::
+JSON's characters and the Hermes markers ``<tool_call>``/``</tool_call>`` (one token each) cannot multiply two
+three-digit numbers itself, but it can call ``multiply`` and copy the result::
 
-    <bos>system: tools add
-    user: 417+385=
-    assistant: <tool_call>{"name":"add","arguments":{"a":417,"b":385}}</tool_call><eos>tool: 802
-    assistant: 802<eos>
+    <bos>system: tools multiply
+    user: 417*385=
+    assistant: <tool_call>{"name":"multiply","arguments":{"a":417,"b":385}}</tool_call><eos>tool: 160545
+    assistant: 160545<eos>
 
 The chat template shows the tools (``tools=``) as that system line and tool results as ``tool:`` turns. An SFT stage
 (``openpack train_sft`` on conversations where the assistant calls the tool in ``TOOL_SHARE`` of them and answers
@@ -18,6 +18,7 @@ match with the label) then teaches it to call it every time. Held-out success: t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -30,7 +31,7 @@ SFT_SAMPLES = 8000
 PROMPTS = 4096
 EVAL_PROBLEMS = 256
 TOOL_CALL, TOOL_END = "<tool_call>", "</tool_call>"
-EXTRA_CHARACTERS = '{}",_'
+EXTRA_CHARACTERS = '{}",_*'
 MAX_POSITIONS = 160
 
 # the demo tokenizer's template with the tools shown as a system line after <bos>
@@ -42,14 +43,14 @@ CHAT_TEMPLATE = DEMO_CHAT_TEMPLATE.replace(
 TOOLS_FILE = '''"""The agent demo's calculator (``openpack train_grpo --demo agent``)."""
 
 
-def add(a: int, b: int) -> int:
-    """Add two integers.
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
 
     Args:
         a: The first number.
         b: The second number.
     """
-    return a + b
+    return a * b
 '''
 
 
@@ -63,35 +64,43 @@ def build_agent_tokenizer():
 
 
 def problems(split: str, n: int) -> list[tuple[int, int]]:
-    """``n`` problems a + b, a and b in 100..999; train and eval draw from disjoint halves of the pairs."""
+    """``n`` problems a * b, a and b in 100..999; train and eval draw from disjoint halves of the pairs.
+
+    The halves are split by a hash of the pair, which no digit predicts. (An earlier split by the parity of
+    ``a * 7919 + b``, which is the parity of ``a + b``, gave only even sums to training and only odd ones to the
+    held-out set: the SFT model learnt that results are even and miscopied odd ones, on some CPUs.)"""
     rng = random.Random(f"agent-demo/{split}")
     picked = []
     while len(picked) < n:
         a, b = rng.randint(100, 999), rng.randint(100, 999)
-        if ((a * 7919 + b) % 2 == 0) == (split == "train"):
+        if in_train_half(a, b) == (split == "train"):
             picked.append((a, b))
     return picked
 
 
+def in_train_half(a: int, b: int) -> bool:
+    return hashlib.blake2b(f"{a},{b}".encode(), digest_size=1).digest()[0] < 128
+
+
 def tool_call(a: int, b: int) -> str:
-    return TOOL_CALL + json.dumps({"name": "add", "arguments": {"a": a, "b": b}}, separators=(",", ":")) + TOOL_END
+    return TOOL_CALL + json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}}, separators=(",", ":")) + TOOL_END
 
 
 def sft_rows(n: int = SFT_SAMPLES, seed: int = 0) -> list[dict]:
-    """Conversations: ``TOOL_SHARE`` of them call ``add`` and copy its result, the others answer at once."""
+    """Conversations: ``TOOL_SHARE`` of them call ``multiply`` and copy its result, the others answer at once."""
     rng = random.Random(f"agent-demo-sft/{seed}")
     rows = []
     for a, b in problems("train", n):
-        messages = [{"role": "system", "content": "tools add"}, {"role": "user", "content": f"{a}+{b}="}]
+        messages = [{"role": "system", "content": "tools multiply"}, {"role": "user", "content": f"{a}*{b}="}]
         if rng.random() < TOOL_SHARE:
-            messages += [{"role": "assistant", "content": tool_call(a, b)}, {"role": "tool", "content": str(a + b)}]
-        messages.append({"role": "assistant", "content": str(a + b)})
+            messages += [{"role": "assistant", "content": tool_call(a, b)}, {"role": "tool", "content": str(a * b)}]
+        messages.append({"role": "assistant", "content": str(a * b)})
         rows.append({"messages": messages})
     return rows
 
 
 def prompt_rows(split: str, n: int) -> list[dict]:
-    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in problems(split, n)]
+    return [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in problems(split, n)]
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -126,6 +135,6 @@ def prepare(seed: int) -> tuple[dict[str, str], list[str] | None]:
     return files, ["--pretrain", str(base), "--dataset", sft_data, "--save_path", str(root / "sft"), "--overwrite",
                    "--seed", str(seed), "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "2048",
                    "--max_len", str(MAX_POSITIONS), "--train_batch_size", "64", "--max_epochs", "6",
-                   "--learning_rate", "0.003", "--lr_scheduler", "cosine", "--lr_warmup_ratio", "0.06",
+                   "--learning_rate", "0.001", "--lr_scheduler", "cosine", "--lr_warmup_ratio", "0.06",
                    "--min_lr_ratio", "0.1", "--weight_decay", "0.01", "--adam_betas", "0.9", "0.98",
                    "--logging_steps", "20"]
