@@ -230,8 +230,8 @@ class AgentConfig:
     eval_prompt_data: str | None = arg(None, "held-out prompts: greedy episodes on them before and after "
                                        "training, logged as eval_success (share with reward > 0), eval_reward and "
                                        "eval_turns", special={None: "no held-out evaluation"})
-    demo: str | None = arg(None, "run a built-in demo: agent (three-digit addition with a calculator tool, from an "
-                           "SFT model trained first and cached; docs/agents.md)", choices=["agent"])
+    demo: str | None = arg(None, "run a built-in demo: agent (three-digit multiplication with a calculator tool, from "
+                           "an SFT model trained first and cached; docs/agents.md)", choices=["agent"])
     per_turn_reward: bool = arg(False, "credit each turn's reward to its last sampled token (returns and GAE "
                                 "discount from there) instead of the episode's sum at its end; needs "
                                 "--advantage_estimator reinforce or gae")
