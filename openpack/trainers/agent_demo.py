@@ -64,11 +64,9 @@ def build_agent_tokenizer():
 
 
 def problems(split: str, n: int) -> list[tuple[int, int]]:
-    """``n`` problems a * b, a and b in 100..999; train and eval draw from disjoint halves of the pairs.
-
-    The halves are split by a hash of the pair, which no digit predicts. (An earlier split by the parity of
-    ``a * 7919 + b``, which is the parity of ``a + b``, gave only even sums to training and only odd ones to the
-    held-out set: the SFT model learnt that results are even and miscopied odd ones, on some CPUs.)"""
+    """``n`` problems a * b, a and b in 100..999; train and eval draw from disjoint halves of the pairs, split by
+    a hash so that no pattern of the digits tells the halves apart (a split by parity once taught the model that
+    every result is even: docs/agents.md, "Why the demo changed")."""
     rng = random.Random(f"agent-demo/{split}")
     picked = []
     while len(picked) < n:

