@@ -28,8 +28,9 @@ truncated or changed file is named, with the newest checkpoint that does
 verify and the flag to resume from it (``--load_checkpoint_tag``). Before
 DeepSpeed loads anything, the checkpoint's world size, ZeRO stage, precision,
 LoRA adapters and data order are compared with the new run's
-(``check_resumable``), so a resume either continues exactly or is refused
-with the settings that differ.
+(``check_resumable``), and its optimizer files with the engine's ZeRO stage
+(``check_optimizer_layout``), so a resume either continues exactly or is
+refused with the settings that differ.
 """
 
 from __future__ import annotations
@@ -453,10 +454,33 @@ def check_resumable(folder: Path, saved: RunState, now: RunState, step: int) -> 
     return changes
 
 
+def check_optimizer_layout(engine, folder: Path) -> None:
+    """Refuse (ResumeMismatch) a checkpoint whose optimizer state is laid out for another ZeRO stage than ``engine``'s.
+
+    ZeRO 1-3 save it in ``*optim_states.pt`` files, stage 0 inside the model-states file; DeepSpeed loads neither
+    from the other (a traceback deep in torch). The flags can agree while the layouts differ: one CPU rank runs
+    ZeRO-1/2 as stage 0 (``engine.engine_stage``), so a one-rank checkpoint written before that, or one resumed
+    with another offload setting, has the other layout.
+    """
+    saved = "ZeRO's partitions" if any(folder.glob("*optim_states.pt")) else "stage 0's"
+    now = "ZeRO's partitions" if engine.zero_optimization_stage() > 0 else "stage 0's"
+    if saved != now:
+        raise ResumeMismatch(
+            f"cannot resume {folder}: its optimizer state is in {saved} layout, and this run's DeepSpeed engine "
+            f"(ZeRO stage {engine.zero_optimization_stage()}) loads only {now}. One CPU rank runs --zero_stage 1/2 "
+            "as stage 0 without --adam_offload or --param_offload, and with them ZeRO, since 2026-11-27. Resume it "
+            f"with the flags, ranks and openpack version that wrote it, or start a new run from its weights: "
+            f"--pretrain {folder / 'hf_model'}")
+
+
 def load_checkpoint(engine, folder: Path, companions: dict | None = None) -> dict:
     """Restore model, optimizer, scheduler and this rank's RNG from a verified checkpoint (and each companion engine
     from its subfolder); returns the client state."""
     folder = Path(folder)
+    check_optimizer_layout(engine, folder)
+    for name, companion in (companions or {}).items():
+        if (folder / name).is_dir():
+            check_optimizer_layout(companion, folder / name)
     path, client_state = engine.load_checkpoint(str(folder.parent), tag=folder.name)
     if path is None:
         raise CheckpointDamaged(f"DeepSpeed could not load {folder} (see its log above)")

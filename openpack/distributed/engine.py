@@ -75,6 +75,26 @@ def deepspeed_config(zero: ZeroConfig, max_norm: float, world_size: int, num_par
     }
 
 
+def engine_stage(stage: int, world_size: int, device: torch.device, bf16: bool, offload: bool) -> int:
+    """The ZeRO stage DeepSpeed runs for ``--zero_stage stage``: 0 for ZeRO-1/2 on one CPU rank in fp32 without
+    offload, ``stage`` otherwise.
+
+    On one rank ZeRO-1/2 partition nothing, yet ZeRO-2 copies each gradient into its reduce bucket and its
+    partition in a hook after every parameter's backward, on every micro-batch, and ZeRO-1/2 copy the gradients
+    once more into a flat fp32 tensor for the step. Stage 0 steps AdamW on the parameters' own gradients: the
+    same update up to rounding (the clipping norm is summed in another order). A 9.8M Llama on CPU, 14
+    micro-batches of 280 tokens a step: backward 2.35 -> 2.03 s a step, peak RSS 765 -> 714 MiB. Its checkpoint
+    keeps the optimizer state in the model-states file, not in ZeRO's ``*optim_states.pt``, so a one-rank CPU
+    checkpoint written before this (ZeRO's layout) cannot be resumed (``checkpoint.check_optimizer_layout``).
+    GPUs keep the stage asked for: a colocated run moves ZeRO 1-3's states off the GPU while vLLM generates
+    (``rl/colocation.py``), which stage 0 cannot; bf16 keeps DeepSpeed's ZeRO optimizer (stage 0 in bf16 is
+    another optimizer, ``BF16_Optimizer``); offload needs ZeRO.
+    """
+    if stage in (1, 2) and world_size == 1 and device.type == "cpu" and not bf16 and not offload:
+        return 0
+    return stage
+
+
 DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce and all-gather bucket, in elements
 
 
@@ -213,6 +233,8 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
         config=deepspeed_config(zero, optim.max_norm, world_size, trained),
     )
     _share_fp32_master(engine.optimizer)
+    if zero.stage == 0 and world_size == 1:
+        engine.enable_backward_allreduce = False  # one rank: nothing to average, and it would copy every gradient
     if zero.stage == 3:
         gather_head_with_forward(engine.module)
     mark_memory("engine init")

@@ -287,7 +287,7 @@ def critic_engine(cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):
                               load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
     model = apply_lora(model, model_cfg, head=HEAD)
     optim = optim_config(replace(train_cfg, learning_rate=rl_cfg.critic_learning_rate), optimizer_steps)
-    return create_engine(PackedValueModel(model), optim, zero_config(model_cfg), dist.world_size)
+    return create_engine(PackedValueModel(model), optim, zero_config(model_cfg, dist), dist.world_size)
 
 
 def reward_scorers(cfg, dist, reward_groups) -> list | None:

@@ -33,7 +33,7 @@ from openpack.core.schedule import RankPlan, RankStep, plan_run, plan_scoring
 from openpack.data.loading import DataError, Rows, load_rows
 from openpack.distributed.checkpoint import (RunState, check_resumable, decided_by_main, load_checkpoint,
                                              open_checkpoint, save_checkpoint, save_hf_model)
-from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine
+from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine, engine_stage
 from openpack.distributed.process import DistInfo, init_distributed
 from openpack.distributed.save_path import checkpoint_dir, claim, resumes, tag_step
 from openpack.models.attention import set_attention_backend
@@ -122,9 +122,12 @@ class TrainingRun:
         self.save_path = Path(out_cfg.save_path)
         steps = len(plan.steps)
         self.engine = create_engine(module or PackedCausalLM(model), optim_config(train_cfg, optimizer_steps or steps),
-                                    zero_config(model_cfg), dist.world_size)
+                                    zero_config(model_cfg, dist), dist.world_size)
         self.ckpt_path = checkpoint_dir(self.save_path, out_cfg.ckpt_path)
         self.notices: list[str] = []  # shown once the tracker (the console of rank 0) exists
+        if self.engine.zero_optimization_stage() != model_cfg.zero_stage:
+            self.notices.append(f"--zero_stage {model_cfg.zero_stage} on one CPU rank runs as DeepSpeed's stage 0 "
+                                "(nothing to partition; the same update without ZeRO's gradient copies)")
         # The claim comes here, after the model, the data and the engine: a run refused by any check leaves
         # no run.json behind (issue 23). The CLI already refused a folder holding another run's files.
         self.run_id = decided_by_main(lambda: claim(self.save_path, self.ckpt_path, resumes(out_cfg),
@@ -210,8 +213,11 @@ def optim_config(train_cfg, steps: int) -> OptimConfig:
     )
 
 
-def zero_config(model_cfg) -> ZeroConfig:
-    return ZeroConfig(model_cfg.zero_stage, model_cfg.bf16, model_cfg.adam_offload, model_cfg.param_offload)
+def zero_config(model_cfg, dist: DistInfo) -> ZeroConfig:
+    """The engine's ZeRO settings; its stage is ``engine_stage``'s (0 for ZeRO-1/2 on one CPU rank in fp32)."""
+    offload = model_cfg.adam_offload or model_cfg.param_offload
+    stage = engine_stage(model_cfg.zero_stage, dist.world_size, dist.device, model_cfg.bf16, offload)
+    return ZeroConfig(stage, model_cfg.bf16, model_cfg.adam_offload, model_cfg.param_offload)
 
 
 def start_worker(model_cfg, seed: int) -> DistInfo:

@@ -102,6 +102,28 @@ def test_resume_is_exact_or_refused_listing_the_settings_that_differ(tmp_path, s
     assert resumed[-1]["loss"] == pytest.approx(full[-1]["loss"], abs=1e-5)
 
 
+def test_optimizer_state_in_another_zero_layout_is_refused_with_the_fix(tmp_path, sft, capsys):
+    """One CPU rank runs --zero_stage 2 as DeepSpeed's stage 0, but with --adam_offload as ZeRO-2: the flags can
+    agree while the optimizer files differ. Without the check, DeepSpeed's stage-0 loader fails inside torch."""
+    assert sft(tmp_path, "--adam_offload") == 0
+    assert list((tmp_path / "checkpoints" / "global_step2").glob("*optim_states.pt"))  # ZeRO's partitions
+    out = capsys.readouterr().out
+    assert "runs as DeepSpeed's stage 0" not in out
+    assert sft(tmp_path, "--load_checkpoint", "--max_steps", "3") == 2
+    err = capsys.readouterr().err
+    assert "global_step2" in err and "ZeRO's partitions layout" in err and "(ZeRO stage 0)" in err
+    assert f"--pretrain {tmp_path / 'checkpoints' / 'global_step2' / 'hf_model'}" in err and "Traceback" not in err
+    assert sft(tmp_path, "--load_checkpoint", "--max_steps", "3", "--adam_offload") == 0
+    assert f"resumed from {tmp_path / 'checkpoints'} at step 2" in capsys.readouterr().out
+
+
+def test_one_cpu_rank_runs_zero_2_as_stage_0_and_says_so(tmp_path, sft, capsys):
+    assert sft(tmp_path) == 0
+    assert "--zero_stage 2 on one CPU rank runs as DeepSpeed's stage 0" in capsys.readouterr().out
+    folder = tmp_path / "checkpoints" / "global_step2"
+    assert (folder / "mp_rank_00_model_states.pt").exists() and not list(folder.glob("*optim_states.pt"))
+
+
 @pytest.mark.slow
 def test_resume_on_another_world_size_is_refused(tmp_path, sft, tiny_pretrain, sft_jsonl):
     """Today DeepSpeed failed deep in its ZeRO loader with a traceback."""
@@ -166,11 +188,12 @@ def test_a_damaged_checkpoint_is_named_with_the_last_good_one(how, two_checkpoin
     """Today a truncated file failed in torch.load with a traceback, and a flipped byte loaded silently."""
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)
-    optimizer = next((run / "checkpoints" / "global_step2").glob("*optim_states.pt"))
-    damage(optimizer, how)
+    # one CPU rank: DeepSpeed's stage 0, whose model-states file holds the weights and the optimizer state
+    states = run / "checkpoints" / "global_step2" / "mp_rank_00_model_states.pt"
+    damage(states, how)
     assert sft(run, "--load_checkpoint", "--max_steps", "3") == 2
     err = capsys.readouterr().err
-    assert optimizer.name in err and "global_step2" in err
+    assert states.name in err and "global_step2" in err
     assert "--load_checkpoint --load_checkpoint_tag global_step1" in err
     assert sft(run, "--load_checkpoint_tag", "global_step1", "--max_steps", "3") == 0
     assert f"resumed from {run / 'checkpoints'} at step 1" in capsys.readouterr().out
