@@ -632,7 +632,7 @@ def differences(args) -> str:
   automatic cap (its default), or {ONE_ROW_TOKENS} tokens (`{ONE_ROW}`: the whole step is one row here), each
   group laid out as prompt | completion | ... with the prompt once (its default) or each completion after its
   own copy of the prompt (`{UNSHARED}`, `{ONE_ROW}`), with per-segment attention, one forward and backward per row,
-  under its DeepSpeed ZeRO-2 engine with torch AdamW. TRL
+  under its DeepSpeed engine (`--zero_stage 2`, its default, which one CPU rank runs as stage 0) with torch AdamW. TRL
   runs {completions // TRL_MICRO_BATCH} micro-batches of {TRL_MICRO_BATCH} rows (its default micro-batch),
   each padded to its longest prompt + completion, with a padding mask, through Accelerate with fused torch
   AdamW (`adamw_torch_fused`, its default). Both compute the per-token entropy for their metrics and both

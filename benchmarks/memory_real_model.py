@@ -281,7 +281,8 @@ Model: `{args.model.name}` (SmolLM2-135M-Instruct as an fp32 HF folder, 134.5M p
 49152); weights, gradients and AdamW moments are 4 + 4 + 8 bytes a parameter, 2.0 GiB. Rows: {args.rows} rows of
 {args.prompt_tokens} prompt + {args.response_tokens} response tokens (random single-token words), so every
 sequence is {args.prompt_tokens + args.response_tokens + 1} tokens with the eos and nothing is padded or truncated.
-openpack: `--launcher ray` and ZeRO-2 (the defaults), `--packing_samples --use_dynamic_batch
+openpack: `--launcher ray` and `--zero_stage 2` (the defaults; one CPU rank runs it as stage 0),
+`--packing_samples --use_dynamic_batch
 --max_tokens_per_gpu {args.max_tokens_per_gpu} --max_len {args.max_len}`, {args.micro_batches} micro-batches a
 step, {args.steps} steps, then its checkpoint and final model save. TRL 1.16: the same rows,
 `max_length={args.max_len}`, {args.rows_per_micro_batch} rows (SFT) or {args.rows_per_micro_batch // 2} pairs
