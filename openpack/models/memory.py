@@ -113,9 +113,10 @@ def default_row_cap(need: StepMemory, unsharded_states: int, budget: int, cpu: b
     weights, gradients and AdamW moments on one rank), so they at most double what a step holds; but not below
     ``CPU_ACTIVATION_FLOOR``, where splitting saves little memory and costs a forward per row (the 0.46M demo
     model, a GRPO step of 1.7k tokens: 0.16 s of training in rows of 512, 0.13 s in one row, 34 MB apart); and
-    with room for ``ROW_ROOM`` of the longest samples, as every row costs a forward, a backward and ZeRO's
-    gradient reduction (384-token prompts on the 9.8M model, one sample per 747-token row: training took 1.35x
-    TRL's time, rows of 1792 tokens 1.11x). Never more than ``ROW_CAP`` or the budget, never less than
+    with room for ``ROW_ROOM`` of the longest samples, as every row costs a forward and a backward (and, when
+    measured, ZeRO-2's gradient copies, which one CPU rank no longer makes: ``engine.engine_stage``; 384-token
+    prompts on the 9.8M model, one sample per 747-token row: training took 1.35x TRL's time, rows of 1792 tokens
+    1.11x). Never more than ``ROW_CAP`` or the budget, never less than
     ``longest`` (one prompt and completion must fit).
     """
     why, cap = f"at most {ROW_CAP}", ROW_CAP
