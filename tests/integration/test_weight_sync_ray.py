@@ -1,7 +1,8 @@
 """Weight sync with the traits of real models: tied embeddings, ZeRO-2's flat buffers, the Ray launcher (issue 23).
 
 The default `openpack train_grpo` runs its ranks and its vLLM engine as Ray actors, under ZeRO-2, and most small
-open models tie their input and output embeddings. Two faults hid behind tiny untied models run in one process:
+open models tie their input and output embeddings. One CPU rank runs ZeRO-2 as DeepSpeed's stage 0 (no flat
+buffers), so the ZeRO-2 cases run two ranks, as a GPU's ZeRO-2 keeps the flat buffers on one rank too. Two faults hid behind tiny untied models run in one process:
 
 - under ZeRO-2 every parameter is a view into one flat buffer, and pickling a view writes its whole storage, so
   each tensor put into Ray's object store carried the whole model (SmolLM2-135M: ~20 GiB for one push);
@@ -27,8 +28,10 @@ pytest.importorskip("ray")
 
 FLAGS = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16", "--max_epochs", "1",
          "--generate_max_len", "8", "--prompt_max_len", "32", "--learning_rate", "1e-3", "--seed", "1",
-         "--max_steps", "3", "--rollout_backend", "vllm", "--launcher", "ray", "--num_gpus_per_node", "1",
+         "--max_steps", "3", "--rollout_backend", "vllm", "--launcher", "ray",
          "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "256"]
+RANKS = {"2": ["--num_gpus_per_node", "2", "--num_cpus_per_worker", "1"],  # ZeRO-2's flat buffers
+         "3": ["--num_gpus_per_node", "1"], "0": ["--num_gpus_per_node", "1"]}
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +56,15 @@ def model_bytes(folder) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tied, zero_stage", [(True, "2"), (True, "3"), (False, "2")],
-                         ids=["tied-zero2", "tied-zero3", "untied-zero2"])
+@pytest.mark.parametrize("tied, zero_stage", [(True, "2"), (True, "3"), (False, "0")],
+                         ids=["tied-zero2-two-ranks", "tied-zero3", "untied-zero0"])
 def test_synced_engine_equals_the_trainer_and_pushes_only_the_model(tied, zero_stage, tied_model, rl_model, tmp_path):
     model = tied_model if tied else rl_model / "model"
     if tied:
         assert json.loads((model / "config.json").read_text())["tie_word_embeddings"] is True
     argv = ["--pretrain", str(model), "--prompt_data", str(rl_model / "prompts.jsonl"),
             "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path), "--zero_stage",
-            zero_stage, *FLAGS]
+            zero_stage, *FLAGS, *RANKS[zero_stage]]
     assert train_grpo.main(argv) == 0
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2, 3]
