@@ -2,7 +2,8 @@
 
 The default `openpack train_grpo` runs its ranks and its vLLM engine as Ray actors, under ZeRO-2, and most small
 open models tie their input and output embeddings. One CPU rank runs ZeRO-2 as DeepSpeed's stage 0 (no flat
-buffers), so the ZeRO-2 cases run two ranks, as a GPU's ZeRO-2 keeps the flat buffers on one rank too. Two faults hid behind tiny untied models run in one process:
+buffers), so the ZeRO-2 case runs two ranks (a GPU's ZeRO-2 has the flat buffers on one rank too). Two faults
+hid behind tiny untied models run in one process:
 
 - under ZeRO-2 every parameter is a view into one flat buffer, and pickling a view writes its whole storage, so
   each tensor put into Ray's object store carried the whole model (SmolLM2-135M: ~20 GiB for one push);
