@@ -48,13 +48,16 @@ import datetime
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+GRACE_S = 40.0  # a command still running this long after --budget_s is stopped
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -69,8 +72,13 @@ class Runbook:
         self.lines: list[str] = []
         self.results: dict[str, object] = {}
 
+    def spent(self) -> float:
+        return time.monotonic() - self.start
+
     def command(self, name: str, argv: list[str], timeout_s: float) -> tuple[int, str]:
-        """Run ``argv`` from the repo root; its output goes to the log and is returned."""
+        """Run ``argv`` from the repo root; its output goes to the log and is returned. It is stopped at
+        ``timeout_s`` or ``GRACE_S`` past the budget, whichever comes first, so the call ends in time."""
+        timeout_s = max(1.0, min(timeout_s, self.budget_s + GRACE_S - self.spent()))
         self.log.write(f"\n===== {name}: {' '.join(argv)}\n")
         self.log.flush()
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -124,6 +132,20 @@ class Runbook:
                 f"{sys.version.split()[0]}, commit {git_commit()}.", ""]
 
 
+def install_wheels(folder: Path) -> None:
+    """``pip install --no-index --no-deps --target`` the carried wheels (DeepSpeed, pydantic, hjson, datasets,
+    TRL: the GPU machine lacks them) into a fresh folder, first on this process's path and every command's."""
+    wheels = sorted(str(w) for w in folder.glob("*.whl"))
+    if not wheels:
+        return
+    site = Path(tempfile.mkdtemp(prefix="openpack_wheels_"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--target", str(site), *wheels], check=True)
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    print(f"gpu_runbook: installed {len(wheels)} wheels from {folder} into {site}", flush=True)
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -137,6 +159,97 @@ def pytest_summary(output: str) -> str:
     tail = [line.strip("= ") for line in output.splitlines() if " in " in line and (
         "passed" in line or "failed" in line or "skipped" in line or "error" in line)]
     return tail[-1] if tail else "no pytest summary (see runbook.log)"
+
+
+def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: list[str] | None) -> list[str]:
+    """Every command through the CLI with DeepSpeed (``gpu_full_trainer.py``), then the trainer's packed DPO
+    against the kernel-level harness (``benchmarks/gpu_mfu.py``'s packed arm) and TRL's DPOTrainer on the same
+    model shape, length mix, 64 pairs a step and row cap."""
+    import torch
+
+    import gpu_full_trainer as ft
+    import gpu_mfu
+
+    gpu = torch.cuda.is_available() and not book.dry_run
+    device = torch.device("cuda" if gpu else "cpu")
+    work = Path(tempfile.mkdtemp(prefix="openpack_full_trainer_"))
+    try:
+        setup = ft.prepare(work, size, scale, gpu)
+        peak = gpu_mfu.matmul_peak(device, torch.bfloat16)
+        if gpu:
+            torch.cuda.empty_cache()
+        cmds = [c for c in ft.commands(setup) if not only or c.name in only]
+        # the fp32 CPU runs use the cores the GPU runs leave free (a GPU run keeps about two busy)
+        references = ft.CpuReferences(setup, threads=max(1, (os.cpu_count() or 2) - 4))
+        references.start(cmds)
+        results, overhead, resumed = [], [], set()
+        for command in cmds:
+            if book.spent() > book.budget_s:
+                results.append(ft.Result(command.name, command.argv, note=f"skipped: the budget of "
+                                         f"{book.budget_s:.0f} s was spent"))
+                continue
+            resume = not book.dry_run or command.checkpoint not in resumed
+            resumed.add(command.checkpoint)
+            results.append(ft.run_command(book, setup, command, peak, resume))
+            book.results.setdefault("full_trainer", []).append(
+                {k: v for k, v in vars(results[-1]).items() if k != "metrics"})
+            book.write()  # results.json so far: a call cut off by the device's limit still brings them back
+            if command.name == "dpo":
+                overhead = dpo_overhead(book, results[-1], size, scale, dpo_steps, device, work)
+                if gpu:  # what the in-process arms cached goes back before the next command starts
+                    torch.cuda.empty_cache()
+        finished = references.wait(book.budget_s + GRACE_S - book.spent())
+        book.log.write("".join(references.log))
+        book.results["full_trainer_cpu_losses"] = references.losses
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    shape = f"Qwen2.5-{size.upper()}" if size != "smoke" else "tiny Qwen2"
+    lines = [f"Every command through `python -m openpack.cli.main` (the `openpack` entry point) with "
+             f"`--launcher local --bf16`, ZeRO-2 (the default) unless the command says, on {shape}-shaped models "
+             "from a config (random init; the DPO reference another seed), SFT/DPO/RM rows from the ANCHORS mix"
+             + (f" divided by {scale}" if scale > 1 else "") + ", GRPO/PPO on two-digit additions with HF "
+             "rollouts. tokens/s: real tokens over the steps after the first (RL: the training phase's). MFU: "
+             "model FLOPs (matmuls, tied head, causal attention; passes counted as useful: SFT/RM 3, DPO 4 with "
+             "its reference, LoRA 2, RL's training phase 3) / time / the measured bf16 matmul peak "
+             f"({peak:.0f} TFLOP/s). Peak memory: NVML, the GPU's memory in use above what it was before the "
+             "command. Step-1 loss tolerance: 1% of the fp32 loss (0.01 at least). Resume: a second run with "
+             "`--load_checkpoint` and one more step.", "", *ft.table(results, cmds, references)]
+    if not finished:
+        lines += ["", "The fp32 CPU runs had not all finished when the budget was spent."]
+    lines += ["", *overhead, "", "Online RL:", "", *ft.rl_lines(results), "", "Commands:", "",
+              *ft.describe_commands(results, work), "", "`$WORK`: a temporary folder, removed at the end."]
+    return lines
+
+
+def dpo_overhead(book: Runbook, trainer, size: str, scale: int, steps: int, device, work: Path) -> list[str]:
+    """The trainer's DPO tokens/s against the kernel-level harness and TRL: the trainer's own overhead."""
+    import torch
+
+    import gpu_mfu
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args = argparse.Namespace(steps=steps, pairs_per_step=64, max_tokens=16384 // scale, scale=scale, seed=0,
+                              gradient_checkpointing=False, attn_backend="torch_varlen")
+    gpu_mfu.set_attention_backend(args.attn_backend if device.type == "cuda" else "sdpa")
+    harness = gpu_mfu.run_arm(size, True, args, device, dtype, peak=0.0)
+    rows = [("openpack train_dpo (the full trainer: DeepSpeed ZeRO-2, CLI, data pipeline)", trainer.tokens_per_s),
+            ("benchmarks/gpu_mfu.py packed arm (the same kernels; torch AdamW, no DeepSpeed)",
+             None if harness.get("oom") else harness["tokens_per_s"])]
+    try:
+        import datasets  # noqa: F401
+        import trl
+
+        theirs = trl_arm(size, steps, 64, scale, device, dtype, work / "trl")
+        rows.append((f"TRL {trl.__version__} DPOTrainer (8 pairs per micro-batch, padded)", theirs["tokens_per_s"]))
+    except ImportError as err:
+        rows.append((f"TRL: not run ({err}; carry its wheels: examples/gpu_wheels.sh)", None))
+    book.results["dpo_overhead"] = dict(rows)
+    lines = ["DPO real tokens/s, 64 pairs a step, rows <= " + f"{16384 // scale} tokens, the same length mix:", "",
+             "| arm | real tokens/s | full trainer / arm |", "|---|---:|---:|"]
+    for name, rate in rows:
+        ratio = f"{trainer.tokens_per_s / rate:.2f}x" if rate and trainer.tokens_per_s else ""
+        lines.append(f"| {name} | {'' if rate is None else format(rate, '.0f')} | {ratio} |")
+    return lines
 
 
 def gpu_tests(book: Runbook) -> list[str]:
@@ -313,29 +426,43 @@ def main(argv=None) -> int:
                         help="where the block, the log and results.json go (default $OUT)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny models: check the script, measure nothing")
     parser.add_argument("--append", type=Path, help="also append the block to this file (e.g. docs/verification.md)")
-    parser.add_argument("--budget_s", type=float, default=500.0, help="start no section after this many seconds")
+    parser.add_argument("--budget_s", type=float, default=480.0,
+                        help=f"start no section or command after this many seconds, and stop a command "
+                             f"{GRACE_S:.0f} s after it (480: the call ends inside 9 minutes on an H100)")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
+                        help="which sections run, in the runbook's order (default: all)")
+    parser.add_argument("--commands", nargs="+", metavar="NAME",
+                        help="the full trainer's commands to run (default: all; e.g. a rerun of those a budget cut)")
     parser.add_argument("--trl_size", default="0.5b", choices=["0.5b", "1.5b"])
     parser.add_argument("--mfu_sizes", nargs="+", default=["0.5b"], choices=["0.5b", "1.5b"],
                         help="gpu_mfu's model shapes (0.5b and 1.5b together outran a 540 s call on 2026-11-26)")
+    parser.add_argument("--wheels", type=Path, default=ROOT / ".whl",
+                        help="install the wheels in this folder first (examples/gpu_wheels.sh makes them; not in a "
+                             "dry run)")
     args = parser.parse_args(argv)
+    if not args.dry_run and args.wheels.is_dir():
+        install_wheels(args.wheels)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_runbook: no CUDA device; use --dry-run on a CPU machine", file=sys.stderr)
         return 2
     book = Runbook(args.out, args.dry_run, args.budget_s)
-    book.section("GPU tests (packed == unpacked; CUDA syncs per step)", lambda: gpu_tests(book))
-    book.section("check_packing in bf16", lambda: check_packing(book))
-    book.section("Prefix sharing == two sequences", lambda: prefix_sharing(book))
-    if args.dry_run:
-        trl_settings = ("smoke", 2, 8, 16)
-    else:
-        trl_settings = (args.trl_size, 5, 32, 1)
-    book.section("DPO tokens/s: openpack vs TRL", lambda: dpo_vs_trl(book, *trl_settings))
-    book.section("MFU: packed vs padded DPO (benchmarks/gpu_mfu.py)", lambda: mfu(book, args.mfu_sizes))
-    book.section("Fused LM head + loss vs chunked (benchmarks/fused_loss.py --head_only)", lambda: fused_loss(book))
-    book.section("RL prefix sharing: one training-side pass (benchmarks/rl_prefix_sharing.py)",
-                 lambda: rl_prefix_sharing(book))
+    size, scale, steps = ("smoke", 8, 2) if args.dry_run else ("0.5b", 1, 5)
+    trl_settings = ("smoke", 2, 8, 16) if args.dry_run else (args.trl_size, 5, 32, 1)
+    runs = {
+        "full_trainer": lambda: full_trainer(book, size, scale, steps, args.commands),
+        "gpu_tests": lambda: gpu_tests(book),
+        "check_packing": lambda: check_packing(book),
+        "prefix_sharing": lambda: prefix_sharing(book),
+        "mfu": lambda: mfu(book, args.mfu_sizes),
+        "fused_loss": lambda: fused_loss(book),
+        "rl_prefix_sharing": lambda: rl_prefix_sharing(book),
+        "dpo_vs_trl": lambda: dpo_vs_trl(book, *trl_settings),
+    }
+    for name in SECTIONS:
+        if name in args.sections:
+            book.section(SECTIONS[name], runs[name])
     book.write()
     block = (args.out / "verification_block.md").read_text()
     print(block)
@@ -343,6 +470,19 @@ def main(argv=None) -> int:
         with open(args.append, "a", encoding="utf-8") as f:
             f.write("\n" + block)
     return 0
+
+
+# In the order they run: by value, the full trainer first (it has never run on a GPU), then what has run once.
+SECTIONS = {
+    "full_trainer": "The full trainer: every command through the CLI with DeepSpeed",
+    "gpu_tests": "GPU tests (packed == unpacked; CUDA syncs per step)",
+    "check_packing": "check_packing in bf16",
+    "prefix_sharing": "Prefix sharing == two sequences",
+    "mfu": "MFU: packed vs padded DPO (benchmarks/gpu_mfu.py)",
+    "fused_loss": "Fused LM head + loss vs chunked (benchmarks/fused_loss.py --head_only)",
+    "rl_prefix_sharing": "RL prefix sharing: one training-side pass (benchmarks/rl_prefix_sharing.py)",
+    "dpo_vs_trl": "DPO tokens/s: openpack's kernels vs TRL (without DeepSpeed)",
+}
 
 
 if __name__ == "__main__":
