@@ -113,14 +113,23 @@ def dpo_step(policy, reference, optimizer, batches, pairs: int, beta: float, dev
     optimizer.zero_grad(set_to_none=True)
 
 
+def matmul_params(model) -> int:
+    """Weights used as a matmul once per token: every ``nn.Linear``'s, each tensor once.
+
+    A tied LM head is an ``nn.Linear`` whose weight is the embedding matrix: it counts once, as the head's matmul
+    (the embedding lookup is no matmul). Until 2026-11-27 the embedding was added again for tied models, so the
+    0.5B shape counted 630M matmul weights instead of 494M and every MFU this file printed was 1.26x too high.
+    """
+    weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(weights.values())
+
+
 def model_flops(model, step_pairs: list[list[Segment]]) -> float:
     """Useful FLOPs of one step: policy forward + backward (3 passes) and reference forward (1 pass)."""
     cfg = model.config
-    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    if cfg.tie_word_embeddings:  # the LM head is the embedding matrix, used as a matmul once per token
-        matmul_params += model.get_input_embeddings().weight.numel()
+    weights = matmul_params(model)
     width = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    per_pass = sum(2 * matmul_params * len(s.tokens) + 2 * len(s.tokens) ** 2 * width * cfg.num_hidden_layers
+    per_pass = sum(2 * weights * len(s.tokens) + 2 * len(s.tokens) ** 2 * width * cfg.num_hidden_layers
                    for pair in step_pairs for s in pair)
     return 4 * per_pass
 

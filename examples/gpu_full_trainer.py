@@ -140,16 +140,6 @@ def save_model(folder: Path, size: str, seed: int, tokenizer, gpu: bool) -> obje
     return model
 
 
-def matmul_params(model) -> int:
-    """Weights used as matmuls once per token: every Linear, and a tied LM head (the embedding matrix)."""
-    import torch
-
-    count = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    if model.config.tie_word_embeddings:
-        count += model.get_input_embeddings().weight.numel()
-    return count
-
-
 def token_weighted_len(lengths) -> float:
     lengths = [int(n) for n in lengths]
     return sum(n * n for n in lengths) / max(1, sum(lengths))
@@ -165,7 +155,7 @@ def prepare(work: Path, size: str, scale: int, gpu: bool) -> Setup:
 
     tokenizer = widened_tokenizer(gpu_mfu.SIZES[size]["vocab_size"])
     model = save_model(work / "policy", size, 0, tokenizer, gpu)
-    params, config = matmul_params(model), model.config
+    params, config = gpu_mfu.matmul_params(model), model.config
     del model
     save_model(work / "reference", size, 1, tokenizer, gpu)
     lengths = harness.scaled_lengths(512, scale, seed=0)
@@ -186,6 +176,12 @@ def prepare(work: Path, size: str, scale: int, gpu: bool) -> Setup:
                  gpu, scale)
 
 
+def dpo_pairs_per_step(scale: int) -> int:
+    """Pairs per step of the DPO run compared with the harness and TRL: 64 (8 of TRL's micro-batches of 8);
+    a dry run's tiny lengths take 8."""
+    return 64 // scale
+
+
 def commands(s: Setup) -> list[Command]:
     """The section's commands, in the order they run (the most valuable first: the budget may cut the tail)."""
     common = ["--launcher", "local", "--bf16", "--pretrain", str(s.policy), "--logging_steps", "1", "--seed", "0",
@@ -202,7 +198,8 @@ def commands(s: Setup) -> list[Command]:
     return [
         # policy == reference (no --ref_pretrain): step 1's loss is ln 2 in every precision; 64 pairs a step, rows
         # of <= 16384 tokens, as benchmarks/gpu_mfu.py's packed arm and the TRL arm run
-        Command("dpo", ["train_dpo", *pairs, "--train_batch_size", "64"], 4, 4, s.pair_len, None,
+        Command("dpo", ["train_dpo", *pairs, "--train_batch_size", str(dpo_pairs_per_step(s.scale))], 4, 4,
+                s.pair_len, None,
                 "policy == reference: the loss is ln 2 at step 1 in any precision"),
         Command("sft", [*sft, "--learning_rate", "1e-5"], 3, 3, s.sft_len, "sft"),
         Command("dpo_prefix", ["train_dpo", *pairs, "--train_batch_size", "8", "--prefix_sharing", "--ref_pretrain",
@@ -282,12 +279,15 @@ class CpuReferences:
     def __init__(self, setup: Setup, threads: int):
         self.setup, self.threads = setup, threads
         self.losses: dict[str, float | str] = {}
+        self.step1: dict[str, dict] = {}  # every metric of the fp32 step 1 (rewards, margins, log-probs)
         self.log: list[str] = []
         self.queue: list[Command] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self, cmds: list[Command]) -> None:
-        self.queue = [c for c in cmds if c.reference == c.name]
+    def start(self, every: list[Command], selected: list[Command]) -> None:
+        """Run the fp32 step 1 of every command whose loss one of ``selected`` is held to."""
+        wanted = {c.reference for c in selected}
+        self.queue = [c for c in every if c.name in wanted]
         self.thread.start()
 
     def _run(self) -> None:
@@ -303,6 +303,7 @@ class CpuReferences:
                             f"\n===== exit {run.returncode} in {time.monotonic() - began:.0f} s\n")
             self.losses[command.name] = metrics[0]["loss"] if run.returncode == 0 and metrics else (
                 f"exit {run.returncode}")
+            self.step1[command.name] = metrics[0] if metrics else {}
             shutil.rmtree(save, ignore_errors=True)
 
     def wait(self, seconds: float) -> bool:
@@ -351,16 +352,20 @@ def run_command(book, setup: Setup, command: Command, peak_tflops: float, resume
         result.resumed = f"not run (dry run: one {command.checkpoint} resume only)"
     elif result.exit == 0:
         began = time.monotonic()
-        result.resume_exit, output = book.command(
-            f"full trainer: {command.name} resumed", [*argv, "--max_steps", str(command.steps + 1), "--load_checkpoint"],
-            600)
+        more = [*argv, "--max_steps", str(command.steps + 1), "--load_checkpoint"]
+        result.resume_exit, output = book.command(f"full trainer: {command.name} resumed", more, 600)
         result.resume_wall_s = time.monotonic() - began
         steps = [m["step"] for m in read_metrics(save)]
         at = f"at step {command.steps} "
         resumed = any(line.startswith("resumed from") and at in line for line in output.splitlines())
-        result.resumed = ("yes" if resumed and steps == list(range(1, command.steps + 2)) else
-                          f"no (logged steps {steps}; 'resumed from ... {at.strip()}' "
-                          f"{'found' if resumed else 'missing'})")
+        if result.resume_exit == 124:
+            result.resumed = "stopped by the budget before it finished"
+        elif result.resume_exit != 0:
+            result.resumed = f"failed: exit {result.resume_exit} (runbook.log)"
+        else:
+            result.resumed = ("yes" if resumed and steps == list(range(1, command.steps + 2)) else
+                              f"no (logged steps {steps}; 'resumed from ... {at.strip()}' "
+                              f"{'found' if resumed else 'missing'})")
     if command.name == "rm" and (save / "model").is_dir():
         shutil.move(str(save / "model"), setup.work / "rm_model")  # PPO's reward model
     shutil.rmtree(save, ignore_errors=True)
@@ -394,12 +399,15 @@ def table(results: list[Result], cmds: list[Command], references: CpuReferences)
         if r.exit is None:
             lines.append(f"| `{r.name}` | | | | | {r.note} | | | |")
             continue
-        fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
-        lines.append(f"| `{r.name}` | {r.exit} | {fmt(r.tokens_per_s, '.0f')} | {fmt(r.mfu, '.1%')} | "
-                     f"{fmt(r.peak_gib, '.1f')} | {loss_check(r, by_name[r.name], references)} | "
-                     f"{fmt(r.checkpoint_gib, '.1f')} | {r.resumed or ('exit ' + str(r.resume_exit) if r.resume_exit else 'not run')} | "
+        lines.append(f"| `{r.name}` | {r.exit} | {_fmt(r.tokens_per_s, '.0f')} | {_fmt(r.mfu, '.1%')} | "
+                     f"{_fmt(r.peak_gib, '.1f')} | {loss_check(r, by_name[r.name], references)} | "
+                     f"{_fmt(r.checkpoint_gib, '.1f')} | {r.resumed or 'not run: the run failed'} | "
                      f"{r.wall_s:.0f}, {r.resume_wall_s:.0f} |")
     return lines
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
 
 
 def rl_lines(results: list[Result]) -> list[str]:
@@ -413,7 +421,8 @@ def rl_lines(results: list[Result]) -> list[str]:
         lines.append(f"- `{r.name}` step {m['step']}: {m['step_time_s']:.2f} s ({split}); generation "
                      f"{m.get('generation_tokens_per_s', 0):.0f} tokens/s; rollout vs trainer log-prob gap at step 1 "
                      f"(`vllm_logp_diff`, HF bf16 generate vs the bf16 trainer): "
-                     f"{r.metrics[0].get('vllm_logp_diff', float('nan')):.3g}; reward {r.metrics[0].get('reward', 0):.3f}")
+                     f"{r.metrics[0].get('vllm_logp_diff', float('nan')):.3g}; "
+                     f"reward {r.metrics[0].get('reward', 0):.3f}")
     return lines
 
 

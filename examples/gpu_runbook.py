@@ -49,10 +49,12 @@ import glob
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -84,21 +86,26 @@ class Runbook:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "PYTHONUNBUFFERED": "1"}
         # The output streams into the log, so a call cut off by the device's limit still brings back what a
-        # command printed so far (on 2026-11-26 gpu_mfu's per-arm lines were lost that way).
-        start = self.log.tell()
-        try:
-            code = subprocess.run(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                  timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
+        # command printed so far (on 2026-11-26 gpu_mfu's per-arm lines were lost that way). Each line carries the
+        # seconds since the command started: where a command's time goes (imports, loading, steps, saving).
+        began, timed_out = time.monotonic(), threading.Event()
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", start_new_session=True)
+        timer = threading.Timer(timeout_s, stop, (proc, timed_out))
+        timer.start()
+        lines = []
+        for line in proc.stdout:
+            self.log.write(f"[{time.monotonic() - began:6.1f}s] {line}")
+            self.log.flush()
+            lines.append(line)
+        code = proc.wait()
+        timer.cancel()
+        if timed_out.is_set():
             code = 124
             self.log.write(f"\ntimed out after {timeout_s:.0f} s\n")
+        self.log.write(f"\n===== {name}: exit {code} ({time.monotonic() - began:.0f} s)\n")
         self.log.flush()
-        with open(self.out / "runbook.log", encoding="utf-8", errors="replace") as log:
-            log.seek(start)
-            output = log.read()
-        self.log.write(f"\n===== {name}: exit {code}\n")
-        self.log.flush()
-        return code, output
+        return code, "".join(lines)
 
     def section(self, title: str, run) -> None:
         spent = time.monotonic() - self.start
@@ -130,6 +137,15 @@ class Runbook:
         return [f"## GPU runbook: {device}, {datetime.date.today()} (`examples/gpu_runbook.py`)", "",
                 f"{kind}; torch {torch.__version__}, transformers {transformers.__version__}, Python "
                 f"{sys.version.split()[0]}, commit {git_commit()}.", ""]
+
+
+def stop(proc: subprocess.Popen, flag: threading.Event) -> None:
+    """Kill a command that outran its time, with every process it started (its own session)."""
+    flag.set()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended as the timer fired
+        pass
 
 
 def install_wheels(folder: Path) -> None:
@@ -178,21 +194,28 @@ def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: lis
         peak = gpu_mfu.matmul_peak(device, torch.bfloat16)
         if gpu:
             torch.cuda.empty_cache()
-        cmds = [c for c in ft.commands(setup) if not only or c.name in only]
+        every = ft.commands(setup)
+        unknown = sorted(set(only or []) - {c.name for c in every})
+        if unknown:
+            raise ValueError(f"--commands {' '.join(unknown)}: no such command; the full trainer runs "
+                             f"{' '.join(c.name for c in every)}")
+        cmds = [c for c in every if not only or c.name in only]
         # the fp32 CPU runs use the cores the GPU runs leave free (a GPU run keeps about two busy)
         references = ft.CpuReferences(setup, threads=max(1, (os.cpu_count() or 2) - 4))
-        references.start(cmds)
+        references.start(every, cmds)
         results, overhead, resumed = [], [], set()
         for command in cmds:
             if book.spent() > book.budget_s:
                 results.append(ft.Result(command.name, command.argv, note=f"skipped: the budget of "
                                          f"{book.budget_s:.0f} s was spent"))
                 continue
+            # a dry run resumes one command of each checkpoint kind (CI's time); a GPU run resumes every one
             resume = not book.dry_run or command.checkpoint not in resumed
             resumed.add(command.checkpoint)
             results.append(ft.run_command(book, setup, command, peak, resume))
-            book.results.setdefault("full_trainer", []).append(
-                {k: v for k, v in vars(results[-1]).items() if k != "metrics"})
+            book.results.setdefault("full_trainer", []).append(  # step 1's metrics, all of them; the rest's time
+                {**{k: v for k, v in vars(results[-1]).items() if k != "metrics"}, "step1": results[-1].metrics[:1],
+                 "step_time_s": [m["step_time_s"] for m in results[-1].metrics]})
             book.write()  # results.json so far: a call cut off by the device's limit still brings them back
             if command.name == "dpo":
                 overhead = dpo_overhead(book, results[-1], size, scale, dpo_steps, device, work)
@@ -200,7 +223,7 @@ def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: lis
                     torch.cuda.empty_cache()
         finished = references.wait(book.budget_s + GRACE_S - book.spent())
         book.log.write("".join(references.log))
-        book.results["full_trainer_cpu_losses"] = references.losses
+        book.results["full_trainer_cpu_step1"] = references.step1
     finally:
         shutil.rmtree(work, ignore_errors=True)
     shape = f"Qwen2.5-{size.upper()}" if size != "smoke" else "tiny Qwen2"
@@ -225,10 +248,12 @@ def dpo_overhead(book: Runbook, trainer, size: str, scale: int, steps: int, devi
     """The trainer's DPO tokens/s against the kernel-level harness and TRL: the trainer's own overhead."""
     import torch
 
+    import gpu_full_trainer as ft
     import gpu_mfu
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    args = argparse.Namespace(steps=steps, pairs_per_step=64, max_tokens=16384 // scale, scale=scale, seed=0,
+    pairs = ft.dpo_pairs_per_step(scale)
+    args = argparse.Namespace(steps=steps, pairs_per_step=pairs, max_tokens=16384 // scale, scale=scale, seed=0,
                               gradient_checkpointing=False, attn_backend="torch_varlen")
     gpu_mfu.set_attention_backend(args.attn_backend if device.type == "cuda" else "sdpa")
     harness = gpu_mfu.run_arm(size, True, args, device, dtype, peak=0.0)
@@ -239,12 +264,12 @@ def dpo_overhead(book: Runbook, trainer, size: str, scale: int, steps: int, devi
         import datasets  # noqa: F401
         import trl
 
-        theirs = trl_arm(size, steps, 64, scale, device, dtype, work / "trl")
+        theirs = trl_arm(size, steps, pairs, scale, device, dtype, work / "trl")
         rows.append((f"TRL {trl.__version__} DPOTrainer (8 pairs per micro-batch, padded)", theirs["tokens_per_s"]))
     except ImportError as err:
         rows.append((f"TRL: not run ({err}; carry its wheels: examples/gpu_wheels.sh)", None))
     book.results["dpo_overhead"] = dict(rows)
-    lines = ["DPO real tokens/s, 64 pairs a step, rows <= " + f"{16384 // scale} tokens, the same length mix:", "",
+    lines = [f"DPO real tokens/s, {pairs} pairs a step, rows <= {16384 // scale} tokens, the same length mix:", "",
              "| arm | real tokens/s | full trainer / arm |", "|---|---:|---:|"]
     for name, rate in rows:
         ratio = f"{trainer.tokens_per_s / rate:.2f}x" if rate and trainer.tokens_per_s else ""
