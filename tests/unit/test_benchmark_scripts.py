@@ -115,6 +115,26 @@ def test_gpu_mfu_smoke_on_cpu(tmp_path):
     assert float(rows["padded"][6].strip().rstrip("%")) < 100
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpu_mfu_counts_each_matmul_weight_once(tied):
+    """MFU's numerator: q, k, v, o, gate, up, down per layer and the LM head, counted by hand. A tied head is the
+    embedding matrix: one matmul per token, not two (counted twice until 2026-11-27: MFU 1.27x too high at 0.5B)."""
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_mfu
+
+    shape = {**gpu_mfu.SIZES["0.5b"], "tie_word_embeddings": tied}
+    with torch.device("meta"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **shape))
+    h, i, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    expected = shape["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * i) + vocab * h
+    assert gpu_mfu.matmul_params(model) == expected == 493_961_216  # Qwen2.5-0.5B's 494M, tied or not
+
+
 @pytest.mark.slow
 def test_grpo_vs_trl_smoke(tmp_path):
     """A tiny random model, 4 prompts x 4 completions of <= 8 tokens, 2 steps: both arms run and split their step
