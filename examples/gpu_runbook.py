@@ -177,7 +177,8 @@ def pytest_summary(output: str) -> str:
     return tail[-1] if tail else "no pytest summary (see runbook.log)"
 
 
-def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: list[str] | None) -> list[str]:
+def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: list[str] | None,
+                 profile: bool = False) -> list[str]:
     """Every command through the CLI with DeepSpeed (``gpu_full_trainer.py``), then the trainer's packed DPO
     against the kernel-level harness (``benchmarks/gpu_mfu.py``'s packed arm) and TRL's DPOTrainer on the same
     model shape, length mix, 64 pairs a step and row cap."""
@@ -203,7 +204,7 @@ def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: lis
         # the fp32 CPU runs use the cores the GPU runs leave free (a GPU run keeps about two busy)
         references = ft.CpuReferences(setup, threads=max(1, (os.cpu_count() or 2) - 4))
         references.start(every, cmds)
-        results, overhead, resumed = [], [], set()
+        results, overhead, resumed, profiled = [], [], set(), []
         for command in cmds:
             if book.spent() > book.budget_s:
                 results.append(ft.Result(command.name, command.argv, note=f"skipped: the budget of "
@@ -221,6 +222,8 @@ def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: lis
                 overhead = dpo_overhead(book, results[-1], size, scale, dpo_steps, device, work)
                 if gpu:  # what the in-process arms cached goes back before the next command starts
                     torch.cuda.empty_cache()
+                if profile:
+                    profiled = profile_step(book, command, work / "runs" / "dpo_profile")
         finished = references.wait(book.budget_s + GRACE_S - book.spent())
         book.log.write("".join(references.log))
         book.results["full_trainer_cpu_step1"] = references.step1
@@ -239,9 +242,25 @@ def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: lis
              "`--load_checkpoint` and one more step.", "", *ft.table(results, cmds, references)]
     if not finished:
         lines += ["", "The fp32 CPU runs had not all finished when the budget was spent."]
-    lines += ["", *overhead, "", "Online RL:", "", *ft.rl_lines(results), "", "Commands:", "",
+    lines += ["", *overhead, *profiled, "", "Online RL:", "", *ft.rl_lines(results), "", "Commands:", "",
               *ft.describe_commands(results, work), "", "`$WORK`: a temporary folder, removed at the end."]
     return lines
+
+
+def profile_step(book: Runbook, command, save: Path) -> list[str]:
+    """``command``'s second step under torch.profiler (``examples/profile_step.py``): its top ops, in the block."""
+    argv = [sys.executable, "examples/profile_step.py", "--step", "2", "--rows", "12", *command.argv, "--max_steps",
+            "2", "--save_path", str(save)]
+    code, output = book.command(f"profile: {command.name} step 2", argv, 300)
+    shutil.rmtree(save, ignore_errors=True)
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("profile_step:")), None)
+    if code != 0 or start is None:
+        return ["", f"Profile of `{command.name}`'s step 2: exit {code}, no table (runbook.log)."]
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("step ")), len(lines))
+    table = lines[start:end][:40]  # the report: from its first line to the trainer's next progress line
+    return ["", f"`{command.name}`'s step 2 under torch.profiler (`examples/profile_step.py`; the whole output is in "
+            "runbook.log):", "", "```", *table, "```"]
 
 
 def dpo_overhead(book: Runbook, trainer, size: str, scale: int, steps: int, device, work: Path) -> list[str]:
@@ -458,6 +477,8 @@ def main(argv=None) -> int:
                         help="which sections run, in the runbook's order (default: all)")
     parser.add_argument("--commands", nargs="+", metavar="NAME",
                         help="the full trainer's commands to run (default: all; e.g. a rerun of those a budget cut)")
+    parser.add_argument("--profile", action="store_true",
+                        help="the full trainer's DPO step 2 under torch.profiler too (one more launch, ~1 minute)")
     parser.add_argument("--trl_size", default="0.5b", choices=["0.5b", "1.5b"])
     parser.add_argument("--mfu_sizes", nargs="+", default=["0.5b"], choices=["0.5b", "1.5b"],
                         help="gpu_mfu's model shapes (0.5b and 1.5b together outran a 540 s call on 2026-11-26)")
@@ -476,7 +497,7 @@ def main(argv=None) -> int:
     size, scale, steps = ("smoke", 8, 2) if args.dry_run else ("0.5b", 1, 5)
     trl_settings = ("smoke", 2, 8, 16) if args.dry_run else (args.trl_size, 5, 32, 1)
     runs = {
-        "full_trainer": lambda: full_trainer(book, size, scale, steps, args.commands),
+        "full_trainer": lambda: full_trainer(book, size, scale, steps, args.commands, args.profile),
         "gpu_tests": lambda: gpu_tests(book),
         "check_packing": lambda: check_packing(book),
         "prefix_sharing": lambda: prefix_sharing(book),

@@ -2,8 +2,9 @@
 wheels a GPU call carries.
 
 The dry run is the GPU run's code on tiny Qwen2 models (lengths of the ANCHORS mix divided by 8, ``--bf16`` on the
-CPU): every command through the CLI, the fp32 step-1 losses beside them, one resume per kind of checkpoint and the
-DPO overhead arms (the kernel-level harness and TRL's DPOTrainer). About 4 minutes on 2 cores.
+CPU): every command through the CLI, the fp32 step-1 losses beside them, one resume per kind of checkpoint, the
+DPO overhead arms (the kernel-level harness and TRL's DPOTrainer) and the DPO step under the profiler. About 4
+minutes on 2 cores.
 """
 
 import json
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.slow
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runbook")
     run = subprocess.run([sys.executable, "examples/gpu_runbook.py", "--dry-run", "--out", str(out), "--sections",
-                          "full_trainer"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                          "full_trainer", "--profile"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), (out / "verification_block.md").read_text()
 
@@ -82,6 +83,12 @@ def test_the_dpo_overhead_table_has_the_harness_and_trl(dry_run):
     arms = results["dpo_overhead"]
     assert len(arms) == 3 and all(rate > 0 for rate in arms.values()), arms
     assert "benchmarks/gpu_mfu.py packed arm" in block and "TRL 1.16" in block
+
+
+def test_the_trainers_dpo_step_is_profiled_by_op(dry_run):
+    """``--profile``: the DPO command's step 2 under torch.profiler (examples/profile_step.py), ops in the block."""
+    _, block = dry_run
+    assert "profile_step: step 2 took" in block and "aten::mm" in block and "Self CPU time total" in block
 
 
 def test_the_wheels_script_fetches_what_the_gpu_machine_lacks_within_the_size_limit(tmp_path):
