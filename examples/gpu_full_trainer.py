@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -69,7 +68,6 @@ class Setup:
     layers: int
     sft_len: float  # token-weighted mean sequence length of an SFT row (attention FLOPs grow with it)
     pair_len: float  # the same for a prompt + response of a pair
-    gpu: bool
     scale: int
 
     def flops_per_token(self, mean_len: float) -> float:
@@ -173,7 +171,7 @@ def prepare(work: Path, size: str, scale: int, gpu: bool) -> Setup:
                  work / "prompts.jsonl", f"{work / 'reward.py'}:parity", params, width, config.num_hidden_layers,
                  token_weighted_len(lengths.prompt + lengths.chosen + 1),
                  token_weighted_len(list(lengths.prompt + lengths.chosen) + list(lengths.prompt + lengths.rejected)),
-                 gpu, scale)
+                 scale)
 
 
 def dpo_pairs_per_step(scale: int) -> int:
@@ -428,8 +426,3 @@ def rl_lines(results: list[Result]) -> list[str]:
 
 def describe_commands(results: list[Result], work: Path) -> list[str]:
     return [f"- `{r.name}`: `{' '.join(r.argv).replace(str(work), '$WORK')} --max_steps N`" for r in results]
-
-
-def steady_step_s(metrics: list[dict]) -> float | None:
-    rest = metrics[1:] or metrics
-    return statistics.median(m["step_time_s"] for m in rest) if rest else None

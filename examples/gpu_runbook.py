@@ -1,44 +1,41 @@
 """Every GPU check of docs/verification.md in one command: results under --out, a Markdown block to append.
 
-    # a lent GPU machine, in ONE call of the device tool, from the repo root (about 5 min on an H200):
+    # here, once: the wheels the GPU machine lacks (DeepSpeed, pydantic, hjson, datasets, TRL) into .whl/
+    bash examples/gpu_wheels.sh
+    # a lent GPU machine, in ONE call of the device tool (carry [".whl"]), from the repo root:
     python examples/gpu_runbook.py --out "$OUT"
     # then, here: append the block that came back to docs/verification.md
     cat <files_at>/verification_block.md >> docs/verification.md
-    # this CPU machine: check the script and run its CPU parts on tiny models (about 2 min)
+    # this CPU machine: check the script and run its CPU parts on tiny models (the full trainer: about 4 min)
     python examples/gpu_runbook.py --dry-run --out /tmp/runbook
 
-The GPU machine has torch, transformers, triton, peft and pytest but no
-DeepSpeed, Ray, datasets, flash-attn or vLLM, so every part runs without
-them: the GPU tests, ``check_packing`` and the benchmarks call openpack's
-parts directly. TRL's DPOTrainer needs ``trl`` and ``datasets`` (and
-``dill``, ``multiprocess``); carry them as wheels (see docs/verification.md)
-or its arm is skipped with a line that says so.
+The GPU machine has torch, transformers, triton, peft and pytest but no DeepSpeed, Ray, datasets, flash-attn or
+vLLM. The runbook installs the carried wheels of ``.whl/`` at its start (``--wheels``); Ray and vLLM are too large
+to carry, so the full trainer runs ``--launcher local`` with HF rollouts.
 
-Sections, each recorded whatever the others did (a failure is a result):
+Sections, in the order they run (by value), each recorded whatever the others did (a failure is a result);
+``--sections`` picks some:
 
-1. ``pytest tests/gpu``: packed == unpacked per CUDA backend and dtype, and
-   the CUDA sync counter (syncs per SFT/DPO/RM step with 1 and 4
-   micro-batches, printed by file and line);
-2. ``openpack check_packing --dtype bfloat16`` (auto backend) and with
-   ``--attn_backend torch_varlen``;
-3. prefix-sharing equality: the ``test_prefix_sharing*`` modules, if
-   ``--prefix_sharing`` has landed (else a line says it has not), and
-   whether any of them checks bf16 (a line says so when none does);
-4. DPO tokens/s, openpack (packed rows, varlen attention) vs TRL's
-   DPOTrainer (its defaults: 8 pairs per micro-batch, padded), on a
-   Qwen2.5-0.5B-shaped model built from a config (random init, bf16), pairs
-   from the ANCHORS length mix;
+1. ``full_trainer``: every ``openpack train_*`` command through the CLI with DeepSpeed, in bf16, on a
+   Qwen2.5-0.5B shape (``examples/gpu_full_trainer.py``: tokens/s, MFU, peak memory, the step-1 loss against fp32
+   on the CPU, checkpoint and resume), then the trainer's DPO tokens/s against ``benchmarks/gpu_mfu.py``'s packed
+   arm and TRL's DPOTrainer; ``--commands`` picks some commands, ``--profile`` adds the DPO step's op table;
+2. ``pytest tests/gpu``: packed == unpacked per CUDA backend and dtype, the reward model in bf16, and the CUDA
+   sync counter (syncs per SFT/DPO/RM step with 1 and 4 micro-batches, printed by file and line);
+3. ``openpack check_packing --dtype bfloat16`` (auto backend) and with ``--attn_backend torch_varlen``;
+4. prefix-sharing equality: the ``test_prefix_sharing*`` modules, and whether any of them checks bf16;
 5. MFU: ``benchmarks/gpu_mfu.py`` (packed vs padded, the 0.5B shape; ``--mfu_sizes 0.5b 1.5b`` for both);
 6. ``--fused_loss``: the LM head alone, chunked vs fused, bf16, 8192 tokens at width 896, vocab 32000 and
-   151936 (``benchmarks/fused_loss.py --head_only``): kept as an option because it wins on CPU; this says
-   whether it does on a GPU;
-7. RL ``--prefix_sharing``: one training-side pass (forward + backward of the token log-probs) over a long-prompt
-   rollout batch (16 prompts of 384 tokens x 8 completions of 16-64), shared vs unshared, on the 0.5B shape in
-   bf16 (``benchmarks/rl_prefix_sharing.py --model 0.5b --prompts 16``; 4 prompts are host-bound on an H100).
+   151936 (``benchmarks/fused_loss.py --head_only``);
+7. RL ``--prefix_sharing``: one training-side pass over a long-prompt rollout batch (16 prompts of 384 tokens x 8
+   completions of 16-64), shared vs unshared, on the 0.5B shape in bf16 (``benchmarks/rl_prefix_sharing.py``);
+8. DPO tokens/s of openpack's packed step without DeepSpeed vs TRL's DPOTrainer, in-process.
 
 Only three files come back (the device returns at most 8): ``verification_block.md``, ``runbook.log`` (every
-command's output) and ``results.json``. A section that would start after ``--budget_s`` is skipped, with a line
-that says so, so the call ends inside the device's 10-minute limit.
+command's output, each line stamped with the seconds since its command started) and ``results.json``. No section
+or command starts after ``--budget_s``, and a command still running ``GRACE_S`` after it is stopped, so the call
+ends inside 9 minutes; at the costs of 2026-11-27 the full trainer alone needs about 15 minutes on an H200, so a
+second call runs the commands the first did not reach (``--commands``).
 """
 
 from __future__ import annotations
