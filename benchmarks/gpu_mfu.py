@@ -118,7 +118,7 @@ def matmul_params(model) -> int:
 
     A tied LM head is an ``nn.Linear`` whose weight is the embedding matrix: it counts once, as the head's matmul
     (the embedding lookup is no matmul). Until 2026-11-27 the embedding was added again for tied models, so the
-    0.5B shape counted 630M matmul weights instead of 494M and every MFU this file printed was 1.26x too high.
+    0.5B shape counted 630M matmul weights instead of 494M and its 0.5B MFU was 1.27x too high.
     """
     weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
     return sum(weights.values())
