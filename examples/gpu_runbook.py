@@ -483,6 +483,12 @@ def main(argv=None) -> int:
                         help="install the wheels in this folder first (examples/gpu_wheels.sh makes them; not in a "
                              "dry run)")
     args = parser.parse_args(argv)
+    import harness
+
+    # One process on one device: a process group its caller set up (a test that trained in-process: its
+    # MASTER_PORT is in use) is not the runbook's, and TRL's arm and every command would try to join it.
+    for name in harness.RENDEZVOUS_VARS:
+        os.environ.pop(name, None)
     if not args.dry_run and args.wheels.is_dir():
         install_wheels(args.wheels)
     import torch
