@@ -174,6 +174,10 @@ def prepare(work: Path, size: str, scale: int, gpu: bool) -> Setup:
                  scale)
 
 
+# The commands, in the order they run (the most valuable first: the budget may cut the tail); ``commands`` builds them.
+COMMAND_NAMES = ("dpo", "sft", "dpo_prefix", "rm", "grpo", "ppo", "lora", "dpo_zero3", "sft_gc")
+
+
 def dpo_pairs_per_step(scale: int) -> int:
     """Pairs per step of the DPO run compared with the harness and TRL: 64 (8 of TRL's micro-batches of 8);
     a dry run's tiny lengths take 8."""
@@ -181,7 +185,7 @@ def dpo_pairs_per_step(scale: int) -> int:
 
 
 def commands(s: Setup) -> list[Command]:
-    """The section's commands, in the order they run (the most valuable first: the budget may cut the tail)."""
+    """The section's commands, in ``COMMAND_NAMES``'s order."""
     common = ["--launcher", "local", "--bf16", "--pretrain", str(s.policy), "--logging_steps", "1", "--seed", "0",
               "--lr_scheduler", "constant", "--lr_warmup_ratio", "0", "--packing_samples", "--use_dynamic_batch",
               "--max_tokens_per_gpu", str(16384 // s.scale)]
@@ -193,7 +197,7 @@ def commands(s: Setup) -> list[Command]:
           "--learning_rate", "1e-6", "--init_kl_coef", "0.01"]
     sampled = "its completions are sampled, so an fp32 CPU run trains on others (rollout vs trainer log-probs below)"
     rm_model = s.work / "rm_model"
-    return [
+    every = [
         # policy == reference (no --ref_pretrain): step 1's loss is ln 2 in every precision; 64 pairs a step, rows
         # of <= 16384 tokens, as benchmarks/gpu_mfu.py's packed arm and the TRL arm run
         Command("dpo", ["train_dpo", *pairs, "--train_batch_size", str(dpo_pairs_per_step(s.scale))], 4, 4,
@@ -217,6 +221,8 @@ def commands(s: Setup) -> list[Command]:
                 checkpoint="ZeRO-3"),
         Command("sft_gc", [*sft, "--learning_rate", "1e-5", "--gradient_checkpointing"], 3, 3, s.sft_len, "sft"),
     ]
+    assert tuple(c.name for c in every) == COMMAND_NAMES
+    return every
 
 
 def cpu_reference_argv(command: Command) -> list[str]:
