@@ -366,10 +366,9 @@ def check_rl(cfg: PPORunConfig) -> None:
             raise ConfigError(f"vLLM engines with {world} ranks run as Ray actors: use --launcher ray (not torchrun "
                               "or the deepspeed launcher; an engine inside a rank of a process group hangs), or "
                               "--rollout_backend hf")
-    if model_cfg.pretrain:
-        check_servable(model_cfg.pretrain, rollout_cfg)
     if rollout_cfg.colocate_all_models:
         check_colocation(rollout_cfg, world)
+    check_servable(model_cfg.pretrain, rollout_cfg)
     if rl_cfg.dynamic_filtering and n < 2:
         raise ConfigError(f"--dynamic_filtering drops groups whose completions all score the same: set "
                           f"--n_samples_per_prompt >= 2 (got {n})")
@@ -430,14 +429,19 @@ def check_shows_tools(pretrain: str, tools: list[dict]) -> None:
                           "never see them; use a model whose template renders tools (Qwen-family), or --env_file")
 
 
-def check_servable(pretrain: str, rollout_cfg) -> None:
-    """vLLM rollouts of a model vLLM cannot serve here are refused before Ray or an engine starts."""
-    from openpack.rollout.vllm_support import unservable_reason
+def check_servable(pretrain: str | None, rollout_cfg) -> None:
+    """vLLM rollouts are refused before Ray or an engine starts where vLLM does not import (with the commands that
+    install it), or cannot serve ``pretrain`` here (the demo model, None, it serves)."""
+    from openpack.rollout.vllm_support import import_vllm, unservable_reason
     from openpack.rl.worker import resolved_backend
 
     if resolved_backend(rollout_cfg) != "vllm":
         return
-    reason = unservable_reason(pretrain)
+    try:
+        import_vllm()
+    except RuntimeError as err:  # not installed, broken (torchvision::nms) or another minor version
+        raise ConfigError(f"--rollout_backend vllm: {err}") from err
+    reason = unservable_reason(pretrain) if pretrain else None
     if reason:
         raise ConfigError(f"--rollout_backend vllm cannot serve --pretrain {pretrain}: {reason}. Use "
                           "--rollout_backend hf (the policy generates itself), or a model of a supported shape")

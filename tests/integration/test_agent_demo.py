@@ -17,6 +17,7 @@ from hang_guard import HANG_S
 from saved_runs import read_metrics
 
 
+@pytest.mark.vllm(required=False)  # vLLM where installed, as a user's default --rollout_backend auto
 @pytest.mark.slow
 def test_agent_demo_learns_to_call_the_tool(tmp_path):
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_grpo", "--demo", "agent", "--launcher",

@@ -20,12 +20,12 @@ SCRIPT = Path(__file__).with_name("colocation_script.py")
 TURN = ["deepspeed.offload_states", "deepspeed.reload_states"]
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_a_turn_wakes_pushes_offloads_generates_sleeps_reloads_and_vllm_scores_with_fresh_weights(tmp_path):
     """Each call in the order of rl/colocation.py, vLLM's log-probs of fixed sequences after the turn equal
     the trainer's after its step to 1e-4 (the step moved them by far more), and a push into the sleeping engine
     is refused rather than lost."""
-    pytest.importorskip("vllm")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "model")], env=env, capture_output=True,
@@ -51,11 +51,11 @@ COMMON = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_b
           "--max_tokens_per_gpu", "96", "--rollout_backend", "vllm", "--colocate_all_models"]
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_a_colocated_ray_run_samples_with_the_trainers_weights_at_every_step(rl_model, tmp_path):
     """Two Ray ranks under ZeRO-3 with the engine on rank 0's bundle: every rollout is sampled right after a wake
     and a push, so vLLM's log-probs equal the trainer's at every step (< 1e-4), the first included."""
-    pytest.importorskip("vllm")
     argv = ["train_grpo", "--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
             "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path / "run"), *COMMON,
             "--zero_stage", "3", "--launcher", "ray", "--num_gpus_per_node", "2"]

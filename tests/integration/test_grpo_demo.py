@@ -18,6 +18,7 @@ from hang_guard import HANG_S
 from saved_runs import read_metrics
 
 
+@pytest.mark.vllm(required=False)  # vLLM where installed, as a user's default --rollout_backend auto
 @pytest.mark.slow
 def test_grpo_demo_raises_held_out_exact_match(tmp_path):
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_grpo", "--save_path", str(tmp_path)],

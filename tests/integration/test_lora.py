@@ -235,11 +235,11 @@ def test_load_in_4bit_is_refused_where_it_cannot_run(tmp_path, tiny_pretrain, sf
     assert "give --lora_rank" in capsys.readouterr().err
 
 
+@pytest.mark.vllm
 def test_ppo_with_lora_syncs_merged_weights_to_vllm(tmp_path, rl_model):
     """PPO (LoRA policy and critic, KL against the base with adapters off) with vLLM rollouts under ZeRO-3: the
     merged weights pushed after step 1 make vLLM's log-probs equal the trainer's to 1e-4 (step 2), as before any
     sync (step 1). In a subprocess, as test_train_ppo's vllm_run (vLLM tears down the default process group)."""
-    pytest.importorskip("vllm")
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"), "--reward_fn",
             f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path), "--advantage_estimator", "gae",
             "--critic_learning_rate", "1e-2", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",

@@ -19,6 +19,7 @@ from hang_guard import HANG_S
 from saved_runs import read_metrics
 
 
+@pytest.mark.vllm(required=False)  # vLLM where installed, as a user's default --rollout_backend auto
 @pytest.mark.slow
 def test_ppo_demo_raises_held_out_exact_match_through_a_reward_model(tmp_path):
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_ppo", "--save_path", str(tmp_path)],

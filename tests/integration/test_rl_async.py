@@ -42,7 +42,6 @@ VLLM = ["--launcher", "local", "--rollout_backend", "vllm", "--vllm_is_correctio
 
 @pytest.fixture(scope="module")
 def task(rl_task, tmp_path_factory):  # noqa: F811
-    pytest.importorskip("vllm")
     reward = tmp_path_factory.mktemp("async_reward") / "logged.py"
     reward.write_text(LOGGED_REWARD)
     return {**rl_task, "reward": f"{reward}:logged"}
@@ -63,6 +62,7 @@ def logged_batches(path) -> list[list[str]]:
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.vllm
 def test_staleness_0_is_the_synchronous_loop(task, tmp_path):
     sync = grpo(task, tmp_path / "sync", "--max_steps", "3")
     async0 = grpo(task, tmp_path / "async0", "--max_steps", "3", "--async_train", "--max_staleness", "0")
@@ -80,6 +80,7 @@ def async_run(task, tmp_path_factory):
                 "--async_train", "--max_staleness", "1")
 
 
+@pytest.mark.vllm
 def test_staleness_1_trains_each_batch_one_version_late(async_run):
     metrics = read_metrics(async_run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -92,6 +93,7 @@ def test_staleness_1_trains_each_batch_one_version_late(async_run):
     assert (async_run / "model" / "model.safetensors").exists()
 
 
+@pytest.mark.vllm
 def test_a_resumed_async_run_trains_every_prompt_once(async_run, task, tmp_path):
     resumed = rewound(async_run, tmp_path / "resumed", 2)
     grpo(task, resumed, "--max_steps", "4", "--save_steps", "1", "--async_train", "--max_staleness", "1",

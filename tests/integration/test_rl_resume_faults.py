@@ -119,9 +119,9 @@ def test_a_resumed_hf_run_equals_the_uninterrupted_one(tmp_path, rl_task, schedu
     assert_same_run(resumed, tmp_path / "full")
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_a_resumed_vllm_run_pushes_the_policy_to_its_engine_before_generating(tmp_path, rl_task):
-    pytest.importorskip("vllm")
     flags = ["--launcher", "local", "--rollout_backend", "vllm", "--max_steps", "3", "--save_steps", "1"]
     result = openpack("train_grpo", *grpo_flags(rl_task, tmp_path / "full", *flags))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -163,9 +163,9 @@ class Run:
             raise AssertionError(f"still running {timeout} s later:\n{''.join(self.err)[-3000:]}") from None
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_a_dead_vllm_engine_is_named_and_the_last_checkpoint_is_intact(tmp_path, rl_task):
-    pytest.importorskip("vllm")
     run = Run("train_grpo", *grpo_flags(rl_task, tmp_path, "--rollout_backend", "vllm", "--num_episodes", "1000",
                                         "--save_steps", "1"))
     try:

@@ -77,9 +77,9 @@ def placed(output: str) -> dict[str, str]:
     return {m[1]: m[2] for m in re.finditer(r"^ray: (.+?) pid \d+ on node (\S+)$", output, re.M)}
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_ppo_on_two_nodes_places_every_actor_and_equals_one_local_process(ppo_models, tmp_path):
-    pytest.importorskip("vllm")
     local = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_ppo",
                             *ppo_argv(ppo_models, tmp_path / "local", "--launcher", "local")],
                            capture_output=True, text=True, timeout=HANG_S, env=ENV)

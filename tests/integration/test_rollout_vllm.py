@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
 
 from rollout_models import PROMPTS, perturb, save_demo_policy
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hang_guard import HANG_S
 
-pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
 pytest.importorskip("ray")
 
 SCRIPT = Path(__file__).with_name("rollout_vllm_ray_script.py")

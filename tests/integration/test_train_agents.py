@@ -222,11 +222,11 @@ def test_bad_agent_flags_are_named(flags, message, rl_model, tmp_path, capsys, o
     assert message.format(root=rl_model) in capsys.readouterr().err
 
 
+@pytest.mark.vllm
 def test_an_openrlhf_agent_file_trains_through_vllm_asynchronously(tmp_path, rl_model, openrlhf_flags):
     """In a subprocess, as a user runs it (an in-process engine tears down torch.distributed's default group), with
     the next batch's episodes running on the engine while this one trains (--async_train, one version late).
     Synchronous vLLM episodes with --tools are the agent demo's (test_agent_demo.py)."""
-    pytest.importorskip("vllm")
     save_path = tmp_path / "run"
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
             "--save_path", str(save_path), *openrlhf_flags, *COMMON[:-4], "--rollout_backend", "vllm",

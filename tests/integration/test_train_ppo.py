@@ -102,12 +102,12 @@ VLLM_FLAGS = ["--rollout_backend", "vllm", "--vllm_is_correction_cap", "2", "--z
               *LAYOUTS["packed_dynamic"]]
 
 
+@pytest.mark.vllm
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory, rl_model):
     """In a subprocess, as a user runs it: an in-process vLLM engine tears down torch.distributed's default group
     when it shuts down, which would leave DeepSpeed's cached groups stale for the next in-process test. Its
     console (stdout, then stderr) is kept next to the save path, in console.txt."""
-    pytest.importorskip("vllm")
     save_path = tmp_path_factory.mktemp("vllm") / "run"
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
             "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(save_path), *COMMON, *VLLM_FLAGS]

@@ -24,7 +24,7 @@ from openpack.cli import train_grpo
 
 from saved_runs import load_weights, read_metrics
 
-pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
 pytest.importorskip("ray")
 
 FLAGS = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16", "--max_epochs", "1",

@@ -135,6 +135,7 @@ def test_gpu_mfu_counts_each_matmul_weight_once(tied):
     assert gpu_mfu.matmul_params(model) == expected == 493_961_216  # Qwen2.5-0.5B's 494M, tied or not
 
 
+@pytest.mark.vllm  # its 'openpack vLLM' arm
 @pytest.mark.slow
 def test_grpo_vs_trl_smoke(tmp_path):
     """A tiny random model, 4 prompts x 4 completions of <= 8 tokens, 2 steps: both arms run and split their step
