@@ -1,20 +1,51 @@
 """`openpack train_rm` with no arguments: the built-in reward-model demo, from the cached SFT demo model.
 
-The SFT demo model gets a new value head and learns 8,960 pairs of the addition task (the bare right answer
-over its wordy form or a plausible wrong one). Measured as the first stage of `openpack train_ppo --seed S`
-(2 CPU cores, 2026-11-26, 8 epochs; docs/rm.md): held-out pairwise accuracy on all 1,022 held-out problems
+The SFT demo model gets a new value head and learns 8,960 pairs of the addition task: the bare right answer over
+its wordy form or a plausible wrong one (off by one, digits swapped, carry dropped). What it learns, scored here on
+all 1,022 held-out pairs by kind of rejected answer (docs/rm.md, "The built-in demo"):
 
-    seed 42: 56.8% -> 94.4%     seed 1: 68.4% -> 90.8%     seed 2: 46.8% -> 96.4%
+- bare over wordy, the preference in no SFT row: 100.0% in every run measured;
+- over a swapped or carry-less sum: 95.4-100%;
+- over a sum off by one: anywhere from 24.5% to 93.5%. The tiny model must recompute the last digit at the end of
+  the answer to tell 47 from 46, and whether it learns to depends on rounding: one CPU rank running ZeRO-2 as stage
+  0 (2026-11-27, the same update up to rounding) took seed 42 from 96.2% to 87.4% overall, all of it off-by-one
+  pairs (81.9% -> 53.5% for right + 1). So the overall accuracy (85.2-97.1% over the runs measured) is not asserted.
 
-The assertions are what held for seed 42 (seed 1's random head starts at 68.4%, above the 60% asserted). The SFT demo model comes from this session's fresh cache (the
-DPO demo test, run first, trains it for seed 42), and the export must load as a sequence classifier.
+The SFT demo model comes from this session's fresh cache (the DPO demo test, run first, trains it for seed 42), and
+the export must load as a sequence classifier.
 """
 
 import pytest
+import torch
 import yaml
 from saved_runs import read_metrics
 
 from openpack.cli import train_rm
+
+
+def accuracy_by_kind(model_path) -> dict[str, tuple[int, int]]:
+    """(pairs ranked right, pairs) on the held-out pairs, scored by the exported model, by what the rejected answer
+    is."""
+    from transformers import AutoModelForSequenceClassification
+
+    from openpack.data.demo_task import demo_preference_pairs
+    from openpack.data.loading import Rows
+    from openpack.data.preference import tokenize_pairs
+    from openpack.models.loading import load_tokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_path).eval()
+    rows = demo_preference_pairs("test", 1022)
+    pairs, _ = tokenize_pairs(Rows(rows, [f"held-out pair {i}" for i in range(len(rows))]), load_tokenizer(model_path))
+    hits: dict[str, list[bool]] = {"wordy": [], "off by one": [], "other mistake": []}
+    with torch.no_grad():
+        for row, pair in zip(rows, pairs):
+            chosen, rejected = (model(torch.tensor([pair.prompt + answer]), use_cache=False).logits[0, 0]
+                                for answer in (pair.chosen, pair.rejected))
+            right = int(row["chosen"])
+            kind = ("wordy" if row["rejected"].startswith("it is") else
+                    "off by one" if abs(int(row["rejected"]) - right) == 1 else "other mistake")
+            hits[kind].append(bool(chosen > rejected))
+    return {kind: (sum(h), len(h)) for kind, h in hits.items()}
 
 
 @pytest.mark.slow
@@ -28,8 +59,13 @@ def test_rm_demo_learns_the_preferences():
     assert run["pretrain"] is None and run["dataset"] is None and run["normalize_reward"]  # the built-in demo
     evals = [m for m in read_metrics(model.parent) if "eval_accuracy" in m]
     before, after = evals[0], evals[-1]
-    assert before["step"] == 0 and before["eval_accuracy"] <= 0.6, before  # a random head: chance or worse
-    assert after["eval_accuracy"] >= 0.9, after
+    assert before["step"] == 0 and before["eval_accuracy"] <= 0.7, before  # a random head: near chance
+    assert after["eval_accuracy"] >= before["eval_accuracy"] + 0.15, (before, after)
+    by_kind = accuracy_by_kind(model)
+    assert sum(n for _, n in by_kind.values()) == 1022
+    assert abs(sum(k for k, _ in by_kind.values()) / 1022 - after["eval_accuracy"]) < 1e-6, (by_kind, after)
+    assert by_kind["wordy"][0] == by_kind["wordy"][1], by_kind  # every one
+    assert by_kind["other mistake"][0] >= 0.9 * by_kind["other mistake"][1], by_kind
     from transformers import AutoModelForSequenceClassification
 
     config = AutoModelForSequenceClassification.from_pretrained(model).config
