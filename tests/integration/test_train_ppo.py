@@ -102,7 +102,6 @@ VLLM_FLAGS = ["--rollout_backend", "vllm", "--vllm_is_correction_cap", "2", "--z
               *LAYOUTS["packed_dynamic"]]
 
 
-@pytest.mark.vllm
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory, rl_model):
     """In a subprocess, as a user runs it: an in-process vLLM engine tears down torch.distributed's default group
@@ -118,6 +117,7 @@ def vllm_run(tmp_path_factory, rl_model):
     return save_path
 
 
+@pytest.mark.vllm
 def test_vllm_rollouts_match_the_trainer_before_and_after_every_sync(vllm_run):
     """Step 1 samples from the starting weights (the trainer/vLLM ratio is 1), step 2 from weights synced after
     four updates, gathered one parameter at a time under ZeRO-3: vLLM's log-probs of its own samples equal the
@@ -130,6 +130,7 @@ def test_vllm_rollouts_match_the_trainer_before_and_after_every_sync(vllm_run):
     assert metrics[1]["kl"] > 0
 
 
+@pytest.mark.vllm
 def test_a_vllm_run_prints_only_what_a_user_acts_on(vllm_run):
     """Issue 24, item 3: no traceback (vLLM's chat-template warm-up logged one at every engine start), no tqdm bars,
     no colour codes in a pipe; vLLM's start output is in the engine's log file instead, and every step's line shows
