@@ -35,7 +35,8 @@ def accuracy_by_kind(model_path) -> dict[str, tuple[int, int]]:
 
     model = AutoModelForSequenceClassification.from_pretrained(model_path).eval()
     rows = demo_preference_pairs("test", 1022)
-    pairs, _ = tokenize_pairs(Rows(rows, [f"held-out pair {i}" for i in range(len(rows))]), load_tokenizer(model_path))
+    tokenizer = load_tokenizer(str(model_path))  # demo_rm_model gives a Path; the loader takes a str
+    pairs, _ = tokenize_pairs(Rows(rows, [f"held-out pair {i}" for i in range(len(rows))]), tokenizer)
     hits: dict[str, list[bool]] = {"wordy": [], "off by one": [], "other mistake": []}
     with torch.no_grad():
         for row, pair in zip(rows, pairs):
