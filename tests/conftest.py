@@ -32,7 +32,6 @@ for _variable, _folder in CACHE_VARIABLES.items():
     os.environ[_variable] = os.path.join(_root, _folder)
 
 
-
 # vLLM is optional (the README's test command installs none). A test that reaches vLLM's engine is marked
 # ``@pytest.mark.vllm`` and skipped with a reason where vLLM is not installed. Every other test runs as on a machine
 # without vLLM even where it is installed: tests/without_vllm/ stands first on its import path, in this process and

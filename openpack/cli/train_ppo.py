@@ -439,8 +439,8 @@ def check_servable(pretrain: str | None, rollout_cfg) -> None:
         return
     try:
         import_vllm()
-    except RuntimeError as err:  # not installed, broken (torchvision::nms) or another minor version
-        raise ConfigError(f"--rollout_backend vllm: {err}") from err
+    except RuntimeError as err:  # not installed, broken (torchvision::nms) or another minor version (also for auto)
+        raise ConfigError(f"--rollout_backend {rollout_cfg.rollout_backend}: {err}") from err
     reason = unservable_reason(pretrain) if pretrain else None
     if reason:
         raise ConfigError(f"--rollout_backend vllm cannot serve --pretrain {pretrain}: {reason}. Use "

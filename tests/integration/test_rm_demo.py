@@ -4,12 +4,12 @@ The SFT demo model gets a new value head and learns 8,960 pairs of the addition 
 its wordy form or a plausible wrong one (off by one, digits swapped, carry dropped). What it learns, scored here on
 all 1,022 held-out pairs by kind of rejected answer (docs/rm.md, "The built-in demo"):
 
-- bare over wordy, the preference in no SFT row: 100.0% in every run measured;
-- over a swapped or carry-less sum: 95.4-100%;
-- over a sum off by one: anywhere from 24.5% to 93.5%. The tiny model must recompute the last digit at the end of
-  the answer to tell 47 from 46, and whether it learns to depends on rounding: one CPU rank running ZeRO-2 as stage
-  0 (2026-11-27, the same update up to rounding) took seed 42 from 96.2% to 87.4% overall, all of it off-by-one
-  pairs (81.9% -> 53.5% for right + 1). So the overall accuracy (85.2-97.1% over the runs measured) is not asserted.
+- bare over wordy, the preference in no SFT row: 100% in every run measured;
+- over a swapped or carry-less sum: 97.1-100% at the default learning rate;
+- over a sum off by one: 53.9-100% (24.5% for right + 1 with seed 1). The tiny model must recompute the last digit
+  at the end of the answer to tell 47 from 46, and whether it learns to depends on rounding: one CPU rank running
+  ZeRO-2 as stage 0 (2026-11-27, the same update up to rounding) took seed 42 from 96.2% to 87.4% overall, 124 of
+  its 129 lost pairs off by one. So the overall accuracy (85.2-99.6% over the runs measured) is not asserted.
 
 The SFT demo model comes from this session's fresh cache (the DPO demo test, run first, trains it for seed 42), and
 the export must load as a sequence classifier.
