@@ -21,8 +21,9 @@ DeepSpeed sums the parameters' squared norms where ``clip_grad_norm_`` takes the
 differ in the last bits (0.47433630 against 0.47433624 at step 1). Measured on a 2-core CPU with torch 2.13
 (2026-11-28): with DeepSpeed's formula put in the minimal file, every number is equal to the last bit; with
 ``clip_grad_norm_`` the logged loss differs by 3e-8 and the grad norm by 1.1e-6 relative (the difference grows
-through the later AdamW steps, to 1e-5 of step 4's small norm). A change to the algorithm moves these numbers by
-far more: a clip range or an advantage normalisation changed in the minimal file fails here.
+through the later AdamW steps, to 1e-5 of step 4's small norm). Each of these changes to the minimal file fails
+here (measured, the loss's relative change): the clip range 0.2 -> 0.3 (2.4e-2), dr_grpo's advantages instead of
+group_norm's (0.42), torch's default AdamW betas (5.9e-5), no gradient clipping (8.1e-5; 1.0e-2 on the grad norm).
 """
 
 import sys
@@ -71,9 +72,9 @@ def test_minimal_grpo_equals_the_real_command(demo_model, tmp_path):
     [real] = read_metrics(tmp_path / "run")
     [minimal] = grpo_minimal.main([*SHARED, "--eval_samples", "0"])
     assert real["optimizer_steps"] == minimal["optimizer_steps"] == 4
-    assert real["reward"] == minimal["reward"], (real, minimal)  # the same completions were sampled
-    assert real["response_length/mean"] == minimal["response_length"]
+    assert real["reward"] == minimal["reward"], (real, minimal)  # the same completions were sampled: their rewards
+    assert real["response_length/mean"] == minimal["response_length"]  # and lengths agree
     assert 0 < real["reward"] < 1 and real["reward_std"] > 0  # the groups disagree: the advantages are not all 0
-    assert real["clip_ratio"] > 0  # the second step's ratio moved past 1 +- eps_clip for some tokens
+    assert real["clip_ratio"] > 0  # in a later step the ratio moved past 1 +- eps_clip for some tokens
     for key in ("loss", "policy_loss", "grad_norm", "clip_ratio"):
         assert close(real[key], minimal[key.replace("policy_", "")]), (key, real, minimal)
