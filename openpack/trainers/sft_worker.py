@@ -67,7 +67,7 @@ def run_sft(cfg, save_config=None, plan: RankPlan | None = None) -> int:
         items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False, warn=False)[0])
     samples = {i: _segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(samples.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
-    run = TrainingRun(model, tokenizer, plan, cfg, dist, save_config)
+    run = TrainingRun(model, tokenizer, plan.steps, cfg, dist, save_config)
     with run.tracker:
         if is_demo:
             _report_accuracy(run.tracker, run.position.global_step, "before", demo.accuracy(model, tokenizer))

@@ -166,7 +166,7 @@ def test_the_pipeline_samples_batch_k_with_version_k_minus_depth(depth):
     for step in range(4):
         rollouts = pipeline.rollouts(step, DIST, version=step)
         assert rollouts.versions == [max(step - depth, 0)] * 2 == [t[0] for t in rollouts.completion_tokens]
-        assert pipeline.metrics["async/staleness"] == min(step, depth)
+        assert pipeline.metrics()["async/staleness"] == min(step, depth)
         engines.version += 1  # the weight sync after the step's update
     assert [prompt for prompt, _ in engines.asked] == [0, 1, 2, 3]  # each batch asked for once, in order
 
@@ -176,8 +176,8 @@ def test_a_batch_staler_than_the_bound_is_dropped_counted_and_generated_again():
     pipeline.rollouts(0, DIST, version=0)  # asks for batch 1 with version 0
     engines.version = 2
     rollouts = pipeline.rollouts(1, DIST, version=2)  # batch 1 is 2 versions old: past the bound
-    assert pipeline.metrics["async/dropped_stale"] == 2
-    assert rollouts.versions == [2, 2] and pipeline.metrics["async/staleness"] == 0
+    assert pipeline.metrics()["async/dropped_stale"] == 2
+    assert rollouts.versions == [2, 2] and pipeline.metrics()["async/staleness"] == 0
 
 
 def test_drop_stale_keeps_samples_within_the_bound():
