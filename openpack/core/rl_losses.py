@@ -1,12 +1,29 @@
-"""The clipped policy loss of PPO-family online RL, per response token, and how tokens are weighed into a step.
+"""The policy losses of PPO-family online RL, per response token, and how tokens are weighed into a step.
 
-Per response token, with ratio rho = exp(logp - old_logp) and advantage A::
+Per response token t of completion i, with ratio r_t = exp(logp_t - old_logp_t) and advantage A_t, the policy
+loss is one of ``POLICY_LOSSES`` (``--policy_loss_type``)::
 
-    loss_t = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)         PPO; eps_high > eps_low: DAPO's
-                                                                          clip-higher
-    loss_t *= min(exp(old_logp - behaviour_logp), cap)                   truncated importance sampling (TIS):
-                                                                          vLLM sampled, the trainer scores
-    loss_t += kl_coef * kl(logp, ref_logp)                               --use_kl_loss (GRPO's KL term)
+    ppo    loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)       eps_high > eps_low: DAPO's
+                                                                                  clip-higher
+    gspo   s_i = exp(mean_t(logp_t - old_logp_t)), one ratio per completion        Zheng et al. 2025 (GSPO),
+           s_it = sg[s_i] * exp(logp_t - sg[logp_t])       (value s_i, gradient    the GSPO-token form: per-token
+                                                            s_i d logp_t)          advantages (GAE, turn credit)
+           loss_t = -min(s_it A_t, clip(s_it, 1 - eps_low, 1 + eps_high) A_t)      work; clipped per completion
+    cispo  loss_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] A_t logp_t          MiniMax-M1 (CISPO): the weight
+                                                                                  is clipped, no token's gradient
+                                                                                  is dropped
+
+then, in this order::
+
+    dual clip (ppo, gspo; --dual_clip c > 1, A_t < 0):   loss_t = min(loss_t, -c A_t)    Ye et al. 2020: a
+                                                          negative advantage's loss is bounded by c |A_t|
+    loss_t *= min(exp(old_logp - behaviour_logp), cap)   truncated importance sampling (TIS): vLLM sampled,
+                                                          the trainer scores
+    loss_t += kl_coef * kl(logp, ref_logp)               --use_kl_loss (GRPO's KL term)
+    loss_t -= entropy_coef * H_t                         --entropy_coef: an entropy bonus (H_t with its gradient)
+
+At the first update of a rollout batch old_logp = sg[logp]: every ratio is 1, GSPO's gradient is the per-token
+gradient with each completion's tokens sharing its ratio, and CISPO's is REINFORCE's (A_t d logp_t).
 
 A step's loss is sum_t w_t loss_t over every response token of the step, on
 all ranks and micro-batches, with the weights of ``--loss_agg_mode``::
@@ -37,6 +54,13 @@ from openpack.core.advantages import kl
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+# The clip ranges a loss uses unless --eps_clip_low_high is given: GSPO's sequence ratios stay near 1, so its paper
+# (Zheng et al. 2025, section 5.1) clips them at 3e-4 below and 4e-4 above; CISPO bounds only the weight from above,
+# at 5 (MiniMax-M1 sets no lower bound; TRL's epsilon_high 5.0, after ScaleRL). PPO's is --eps_clip (0.2).
+DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "cispo": (1.0, 4.0)}
+
+
 @dataclass
 class PolicyLossParams:
     eps_low: float = 0.2
@@ -44,6 +68,9 @@ class PolicyLossParams:
     kl_coef: float = 0.0  # > 0 with --use_kl_loss
     kl_estimator: str = "k3"
     tis_cap: float = 0.0  # 0: no truncated importance sampling
+    loss_type: str = "ppo"  # one of POLICY_LOSSES
+    dual_clip: float | None = None  # > 1: bound a negative advantage's loss at dual_clip x |A| (ppo, gspo)
+    entropy_coef: float = 0.0  # > 0: an entropy bonus
 
 
 @dataclass
@@ -51,18 +78,19 @@ class PolicyTerms:
     """Per-token parts of the loss, each [N] over response tokens."""
 
     loss: Tensor
-    clipped: Tensor  # bool: the clipped branch was taken (the token carries no gradient from the ratio)
+    clipped: Tensor  # bool: the ratio (or CISPO's weight) hit its clip range
     tis_clipped: Tensor  # bool: the importance weight hit its cap
     kl: Tensor
 
 
 def policy_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor, params: PolicyLossParams,
-                 ref_logp: Tensor | None = None, behaviour_logp: Tensor | None = None) -> PolicyTerms:
-    """The per-token loss of the module docstring; ``ref_logp`` is needed for a KL loss, ``behaviour_logp`` for TIS."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - params.eps_low, 1 + params.eps_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
+                 ref_logp: Tensor | None = None, behaviour_logp: Tensor | None = None,
+                 segment_ids: Tensor | None = None, entropy: Tensor | None = None) -> PolicyTerms:
+    """The per-token loss of the module docstring; ``ref_logp`` is needed for a KL loss, ``behaviour_logp`` for TIS,
+    ``segment_ids`` ([N], each token's completion) for GSPO, ``entropy`` (with its gradient) for an entropy bonus."""
+    loss, clipped = SURROGATES[params.loss_type](logp, old_logp, advantages, params, segment_ids)
+    if params.dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -params.dual_clip * advantages), loss)
     tis_clipped = torch.zeros_like(loss, dtype=torch.bool)
     if params.tis_cap:
         if behaviour_logp is None:
@@ -75,7 +103,45 @@ def policy_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor, params: Pol
         kl_term = kl(logp, ref_logp, params.kl_estimator)
         if params.kl_coef:
             loss = loss + params.kl_coef * kl_term
-    return PolicyTerms(loss, clipped < unclipped, tis_clipped, kl_term.detach())
+    if params.entropy_coef:
+        if entropy is None:
+            raise ValueError("an entropy bonus needs the tokens' entropy, with its gradient")
+        loss = loss - params.entropy_coef * entropy
+    return PolicyTerms(loss, clipped, tis_clipped, kl_term.detach())
+
+
+def ppo_surrogate(logp, old_logp, advantages, params, segment_ids=None) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate, per token: (loss_t, clipped_t)."""
+    return clipped_surrogate(torch.exp(logp - old_logp), advantages, params)
+
+
+def gspo_surrogate(logp, old_logp, advantages, params, segment_ids=None) -> tuple[Tensor, Tensor]:
+    """GSPO-token: each token carries its completion's ratio s_i (the exp of the mean log-ratio over its tokens)
+    as value, and s_i d logp_t as gradient; the clip then acts per completion."""
+    if segment_ids is None:
+        raise ValueError("GSPO's sequence ratio needs each token's completion (segment_ids)")
+    log_ratio = (logp - old_logp).detach()
+    count = torch.bincount(segment_ids).to(log_ratio.dtype)
+    mean = torch.zeros_like(count).index_add_(0, segment_ids, log_ratio) / count
+    ratio = torch.exp(mean)[segment_ids] * torch.exp(logp - logp.detach())
+    return clipped_surrogate(ratio, advantages, params)
+
+
+def cispo_surrogate(logp, old_logp, advantages, params, segment_ids=None) -> tuple[Tensor, Tensor]:
+    """CISPO: the clipped importance weight, detached, times the advantage and the token's log-prob."""
+    ratio = torch.exp(logp - old_logp).detach()
+    weight = ratio.clamp(1 - params.eps_low, 1 + params.eps_high)
+    return -weight * advantages * logp, weight != ratio
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, params: PolicyLossParams) -> tuple[Tensor, Tensor]:
+    """-min(ratio A, clip(ratio) A), and where the clipped branch was taken (the ratio carries no gradient)."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - params.eps_low, 1 + params.eps_high) * advantages
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+SURROGATES = {"ppo": ppo_surrogate, "gspo": gspo_surrogate, "cispo": cispo_surrogate}
 
 
 def token_weights(segment_ids: Tensor, mode: str, step_tokens: int, step_sequences: int,

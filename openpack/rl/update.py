@@ -67,10 +67,12 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
         old = in_batch_order(ids, experience.old, dist.device) if experience.old is not None else logp.detach()
         ref = in_batch_order(ids, experience.ref, dist.device) if settings.use_kl_loss else None
         behaviour = in_batch_order(ids, experience.behaviour, dist.device)
+        segment_ids = response_segment_ids(ids, experience.lengths, dist.device)
         terms = policy_terms(logp, old, in_batch_order(ids, experience.advantages, dist.device), settings.policy,
-                             ref_logp=ref, behaviour_logp=behaviour if settings.policy.tis_cap else None)
-        weights = token_weights(response_segment_ids(ids, experience.lengths, dist.device), settings.loss_agg_mode,
-                                step.label_tokens[0], step.samples, settings.generate_max_len)
+                             ref_logp=ref, behaviour_logp=behaviour if settings.policy.tis_cap else None,
+                             segment_ids=segment_ids, entropy=entropy)
+        weights = token_weights(segment_ids, settings.loss_agg_mode, step.label_tokens[0], step.samples,
+                                settings.generate_max_len)
         loss = (terms.loss * weights).sum()
         aux_loss, aux_sums = router_aux.term(host_batch.num_tokens)  # the host batch: no device sync
         engine.backward((loss + aux_loss) * dist.world_size)
