@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openpack.cli.config import ConfigError, arg, parse_config
+from openpack.config.schema import ConfigError, arg, parse_config
 from openpack.models.attention import BACKENDS, resolve_backend, set_attention_backend
 from openpack.models.families import check_model_family
 from openpack.models.loading import ModelLoadError

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from openpack.cli.config import ConfigError, arg, parse_config
+from openpack.config.schema import ConfigError, arg, parse_config
 from openpack.cli.train_sft import check_inputs
 from openpack.orchestration.launch import launch_command
 

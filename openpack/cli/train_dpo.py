@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, RunConfig, arg
+from openpack.config.schema import ConfigError, RunConfig, arg
 from openpack.cli.train_sft import DataConfig as SFTDataConfig
 from openpack.cli.train_sft import (FUSED_LOSS_HELP, DatasetConfig, LaunchConfig, ModelConfig, OutputConfig,
                                     TrainConfig, announce, check_consistency, check_inputs, check_template_flags,

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, RunConfig, arg
+from openpack.config.schema import ConfigError, RunConfig, arg
 from openpack.rl.agents import setup as agent_setup
 from openpack.rl.agents.setup import agent_environment, episode_budget
 from openpack.cli.train_sft import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce, check_inputs,

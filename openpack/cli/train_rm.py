@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, RunConfig, arg
+from openpack.config.schema import ConfigError, RunConfig, arg
 from openpack.cli.train_dpo import PreferenceDataConfig, check_prefix_sharing
 from openpack.cli.train_sft import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, announce, check_consistency,
                                     check_inputs, demo_sft_model, with_demo_defaults)

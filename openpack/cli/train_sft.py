@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.cli.config import ConfigError, RunConfig, arg, special_values
+from openpack.config.schema import ConfigError, RunConfig, arg, special_values
 from openpack.models.attention import BACKENDS
 from openpack.orchestration.launch import launch, launched_by_environment
 

@@ -56,7 +56,7 @@ def example_commands():
 def test_example_scripts_use_real_flags():
     import importlib
 
-    from openpack.cli.config import parse_config
+    from openpack.config.schema import parse_config
 
     commands = list(example_commands())
     assert {name for name, _ in commands} >= {"dpo_8b_2x8_zero3.sh", "sft_1node.sh", "check_packing_gpu.sh"}

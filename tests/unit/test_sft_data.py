@@ -434,7 +434,7 @@ def test_openrlhf_keys_match_trl(tok, bpe_tok, trl_sft_for):
 def test_flags_reach_the_tokenizer(tok):
     """--messages_key, --conversation_loss and --input_template parse into DataConfig and reach tokenize_sft."""
     from openpack.cli import train_sft
-    from openpack.cli.config import parse_config
+    from openpack.config.schema import parse_config
     from openpack.trainers.sft_worker import _tokenize
 
     def data_config(*flags):
