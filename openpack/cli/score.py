@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from openpack.config.schema import ConfigError, arg, parse_config
-from openpack.cli.train_sft import check_inputs
+from openpack.config.sections import check_inputs
 from openpack.orchestration.launch import launch_command
 
 
