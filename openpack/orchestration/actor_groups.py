@@ -1,5 +1,5 @@
-"""The actor groups a training run asks the Ray launcher for beside its ranks: vLLM engines, a group per reward model
-and a reference (online RL), and a reference group (train_dpo).
+"""The actor groups a run asks the Ray launcher for beside its ranks: vLLM engines, a group per reward model and a
+reference (online RL), a reference group (train_dpo), and the reward actors ``openpack score`` scores on.
 
 Each function reads the sections of a run config it needs (``cfg.rollout``, ``cfg.rl``...; orchestration sits
 under the config package and never imports it) and returns the spec ``ray_launcher.launch`` starts, or None where
@@ -10,7 +10,8 @@ one, and rank 0 (or every rank) builds the same models in its own process instea
 from __future__ import annotations
 
 from openpack.orchestration.launch import launched_by_environment
-from openpack.orchestration.ray_launcher import EngineGroupSpec, ReferenceGroupSpec, ScorerGroupSpec
+from openpack.orchestration.ray_launcher import (EngineGroupSpec, ReferenceGroupSpec, ScorerGroupSpec,
+                                                 cluster_address, score_on_ray)
 
 
 def is_ray_driver(launch_cfg) -> bool:
@@ -67,10 +68,22 @@ def dpo_reference_group(cfg, demo_model) -> ReferenceGroupSpec | None:
                               dpo_cfg.ref_num_gpus_per_node)
 
 
-def build_reward_scorer(path: str, max_tokens: int, bf16: bool):
-    """A --reward_pretrain model on this process's device, as a reward actor builds it (module level, for Ray)."""
+def build_reward_scorer(path: str, max_tokens: int, bf16: bool, value_head_prefix: str | None = None):
+    """A saved reward model on this process's device, as a reward actor builds it (module level, for Ray)."""
     import torch
 
-    from openpack.models.reward import RewardScorer
+    from openpack.models.reward import HEAD, RewardScorer
 
-    return RewardScorer(path, "cuda" if torch.cuda.is_available() else "cpu", max_tokens, bf16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return RewardScorer(path, device, max_tokens, bf16, value_head_prefix or HEAD)
+
+
+def score_sequences(scorer_args: tuple, sequences: list[list[int]], launch_cfg):
+    """``openpack score``'s rewards, one per sequence: ``build_reward_scorer(*scorer_args)`` in this process
+    (--launcher local), or on a group of --reward_num_nodes x --reward_num_gpus_per_node reward actors."""
+    if launch_cfg.launcher == "local":
+        return build_reward_scorer(*scorer_args).score(sequences)
+    return score_on_ray(build_reward_scorer, scorer_args, sequences, num_nodes=launch_cfg.reward_num_nodes,
+                        num_gpus_per_node=launch_cfg.reward_num_gpus_per_node,
+                        num_cpus_per_worker=launch_cfg.num_cpus_per_worker,
+                        ray_address=cluster_address(launch_cfg.ray_address))

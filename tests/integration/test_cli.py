@@ -54,12 +54,12 @@ def example_commands():
 
 
 def test_example_scripts_use_real_flags():
-    from openpack.cli import score
-    from openpack.config import dpo, rl, rm, sft
+    from openpack.config import dpo, rl, rm, score, sft
+    from openpack.config import check_packing as check_packing_config
     from openpack.config.schema import parse_config
 
     sections = {"train_sft": sft.CONFIGS, "train_dpo": dpo.CONFIGS, "train_rm": rm.CONFIGS, "train_ppo": rl.CONFIGS,
-                "train_grpo": rl.GRPO_CONFIGS, "score": score.CONFIGS, "check_packing": check_packing.CONFIGS}
+                "train_grpo": rl.GRPO_CONFIGS, "score": score.CONFIGS, "check_packing": check_packing_config.CONFIGS}
     assert set(sections) == set(COMMANDS)
     commands = list(example_commands())
     assert {name for name, _ in commands} >= {"dpo_8b_2x8_zero3.sh", "sft_1node.sh", "check_packing_gpu.sh"}
