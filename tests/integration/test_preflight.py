@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from openpack.cli import train_dpo, train_sft
+from openpack.config import commands
 
 
 class Started(AssertionError):
@@ -25,9 +26,8 @@ def tripwires(monkeypatch):
     def started(*args, **kwargs):
         raise Started("the run started before the configuration was checked")
 
-    for module in (train_sft, train_dpo):
-        monkeypatch.setattr(module, "launch", started)
-    monkeypatch.setattr(train_dpo, "demo_sft_model", started)
+    monkeypatch.setattr(commands, "launch", started)
+    monkeypatch.setattr(commands, "demo_sft_model", started)
 
 
 def run(main, argv) -> int:

@@ -117,8 +117,8 @@ def test_max_staleness_without_async_train_is_refused_and_defaults_to_1_with_it(
     """Before, an explicit --max_staleness without --async_train (its default was 1) was ignored in silence: the
     loop stayed synchronous. Now a value given by flag or --config file is refused, naming both flags and the fix;
     unset, it is 1 under --async_train and 0 (synchronous) without."""
-    from openpack.cli.config import ConfigError, parse_config
-    from openpack.cli.train_ppo import CONFIGS
+    from openpack.config.rl import CONFIGS
+    from openpack.config.schema import ConfigError, parse_config
     from openpack.rl.settings import async_staleness
 
     def rollout_cfg(*argv):
