@@ -22,7 +22,7 @@ from pathlib import Path
 from openpack.config.schema import ConfigError, RunConfig, arg
 from openpack.config.sections import LaunchConfig, ModelConfig, OutputConfig, TrainConfig, check_template_flags
 from openpack.core.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
-from openpack.core.rl_losses import LOSS_AGG_MODES
+from openpack.core.rl_losses import LOSS_AGG_MODES, POLICY_LOSSES
 from openpack.rl.agents import setup as agent_setup
 
 DESCRIPTION = __doc__.split("\n\n")[0]
@@ -129,9 +129,19 @@ class RLConfig:
     kl_estimator: str = arg("k1", "per-token KL estimate (k1: d, k2: d^2/2, k3: e^-d - 1 + d)",
                             choices=list(KL_ESTIMATORS))
     use_kl_loss: bool = arg(False, "the KL is a loss term (GRPO) instead of a reward penalty")
+    policy_loss_type: str | None = arg(None, "the policy loss (docs/rl.md, 'KL and the loss'): ppo (clipped token "
+                                       "ratio), gspo (one clipped ratio per completion, GSPO-token), cispo (clipped, "
+                                       "detached weight times the log-prob)", choices=list(POLICY_LOSSES),
+                                       special={None: "ppo"})
     eps_clip: float = arg(0.2, "PPO clip range of the importance ratio", above=0)
-    eps_clip_low_high: list[float] | None = arg(None, "two values: DAPO's clip-higher (low, high), e.g. 0.2 0.28",
-                                                above=0, special={None: "--eps_clip both sides"})
+    eps_clip_low_high: list[float] | None = arg(None, "two values: the clip range below and above 1 (DAPO's "
+                                                "clip-higher: 0.2 0.28)", above=0,
+                                                special={None: "ppo: --eps_clip both sides; gspo: 3e-4 4e-4 (the "
+                                                         "GSPO paper); cispo: none below, 4 above (weights <= 5)"})
+    dual_clip: float | None = arg(None, "dual-clip PPO (Ye et al. 2020): a token with a negative advantage loses at "
+                                  "most this times |A| (ppo, gspo)", above=1, special={None: "off"})
+    entropy_coef: float = arg(0.0, "entropy bonus: loss -= coef x each token's entropy (with its gradient)",
+                              at_least=0, special={0.0: "off; the entropy is still logged"})
     loss_agg_mode: str = arg("token_mean", "how token losses add up to a step's loss: token_mean, "
                              "seq_mean_token_mean, seq_mean_token_sum_norm (Dr. GRPO)", choices=list(LOSS_AGG_MODES))
     gamma: float = arg(1.0, "discount of per-token rewards within a completion", at_least=0, at_most=1)
@@ -180,6 +190,9 @@ class RLConfig:
     def validate(self):
         if self.eps_clip_low_high is not None and len(self.eps_clip_low_high) != 2:
             raise ConfigError(f"--eps_clip_low_high takes two values (low high), got {self.eps_clip_low_high}")
+        if self.dual_clip is not None and self.policy_loss_type == "cispo":
+            raise ConfigError("--dual_clip bounds a clipped ratio's loss, and --policy_loss_type cispo clips no "
+                              "ratio (its weight is detached): drop one")
         if self.reward_fn and self.remote_rm_url or self.remote_rm_url and self.reward_pretrain:
             raise ConfigError("give one reward: --reward_fn, --remote_rm_url or --reward_pretrain (with --reward_fn "
                               "combining the reward models' scores), not two")

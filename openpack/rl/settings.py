@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from openpack.core.rl_losses import PolicyLossParams
+from openpack.core.rl_losses import DEFAULT_CLIP, PolicyLossParams
 from openpack.core.schedule import Batching
 from openpack.trainers.batching import batching
 
@@ -73,9 +73,11 @@ class RLSettings:
 def rl_settings(cfg) -> RLSettings:
     """The step's settings from the run config's ``rollout``, ``rl``, ``train`` (and ``agent``) sections."""
     rollout_cfg, rl_cfg, train_cfg = cfg.rollout, cfg.rl, cfg.train
-    low, high = rl_cfg.eps_clip_low_high or [rl_cfg.eps_clip, rl_cfg.eps_clip]
+    loss_type = rl_cfg.policy_loss_type or "ppo"
+    low, high = rl_cfg.eps_clip_low_high or DEFAULT_CLIP.get(loss_type, (rl_cfg.eps_clip, rl_cfg.eps_clip))
     policy = PolicyLossParams(eps_low=low, eps_high=high, kl_coef=rl_cfg.init_kl_coef if rl_cfg.use_kl_loss else 0.0,
-                              kl_estimator=rl_cfg.kl_estimator, tis_cap=rl_cfg.vllm_is_correction_cap)
+                              kl_estimator=rl_cfg.kl_estimator, tis_cap=rl_cfg.vllm_is_correction_cap,
+                              loss_type=loss_type, dual_clip=rl_cfg.dual_clip, entropy_coef=rl_cfg.entropy_coef)
     return RLSettings(
         n_samples_per_prompt=rollout_cfg.n_samples_per_prompt, advantage_estimator=rl_cfg.advantage_estimator,
         loss_agg_mode=rl_cfg.loss_agg_mode, generate_max_len=rollout_cfg.generate_max_len, policy=policy,

@@ -123,3 +123,16 @@ def test_an_unreadable_dataset_is_found_before_the_run():
         assert f"--dataset {data}: cannot read {data} (Permission denied)" in message
     finally:
         shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--policy_loss_type", "cispo", "--dual_clip", "3"], "--dual_clip bounds a clipped ratio's loss"),
+    (["--dual_clip", "1"], "--dual_clip must be > 1, got 1.0"),
+    (["--policy_loss_type", "grpo"], "argument --policy_loss_type: invalid choice: 'grpo'"),
+    (["--entropy_coef", "-0.1"], "--entropy_coef must be >= 0, got -0.1"),
+])
+def test_bad_policy_loss_flags_fail_before_the_run(capsys, flags, expected):
+    from openpack.cli import train_grpo
+
+    assert run(train_grpo.main, [*flags, "--launcher", "local"]) == 2
+    assert expected in one_line(capsys)
