@@ -22,7 +22,7 @@ from pathlib import Path
 from openpack.config.schema import ConfigError, RunConfig, arg
 from openpack.config.sections import LaunchConfig, ModelConfig, OutputConfig, TrainConfig, check_template_flags
 from openpack.core.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
-from openpack.core.rl_losses import LOSS_AGG_MODES, POLICY_LOSSES
+from openpack.core.rl_losses import IS_CORRECTIONS, LOSS_AGG_MODES, POLICY_LOSSES
 from openpack.rl.agents import setup as agent_setup
 
 DESCRIPTION = __doc__.split("\n\n")[0]
@@ -146,7 +146,16 @@ class RLConfig:
                              "seq_mean_token_mean, seq_mean_token_sum_norm (Dr. GRPO)", choices=list(LOSS_AGG_MODES))
     gamma: float = arg(1.0, "discount of per-token rewards within a completion", at_least=0, at_most=1)
     vllm_is_correction_cap: float = arg(0.0, "truncated importance sampling: weight each token by "
-                                        "min(p_trainer / p_vllm, cap)", at_least=0, special={0.0: "off"})
+                                        "min(p_trainer / p_vllm, cap); the same as --is_correction_type tis "
+                                        "--is_correction_threshold 0 CAP", at_least=0, special={0.0: "off"})
+    is_correction_type: str | None = arg(None, "rollout correction of the trainer/vLLM mismatch (docs/rl.md): tis "
+                                         "(truncate each token's ratio to the band), icepop (mask tokens outside "
+                                         "it), seq-mask-tis (mask completions whose geometric-mean ratio is "
+                                         "outside it, tis on the rest)", choices=list(IS_CORRECTIONS),
+                                         special={None: "off"})
+    is_correction_threshold: list[float] | None = arg(None, "two values: the band [low, high] of the trainer/vLLM "
+                                                      "ratio, for --is_correction_type", at_least=0,
+                                                      special={None: "0.5 5 (OpenRLHF's)"})
     reward_fn: str | None = arg(None, "rule reward: path/to/file.py:function(prompts, completions, rows) -> floats")
     remote_rm_url: str | None = arg(None, "reward server (OpenRLHF's JSON protocol: POST query/prompts/labels, "
                                     "answer {'rewards': [...]})")
@@ -190,6 +199,14 @@ class RLConfig:
     def validate(self):
         if self.eps_clip_low_high is not None and len(self.eps_clip_low_high) != 2:
             raise ConfigError(f"--eps_clip_low_high takes two values (low high), got {self.eps_clip_low_high}")
+        low_high = self.is_correction_threshold
+        if low_high is not None and (len(low_high) != 2 or low_high[0] > low_high[1] or low_high[1] <= 0):
+            raise ConfigError(f"--is_correction_threshold takes two values, low <= high and high > 0; got {low_high}")
+        if low_high is not None and not self.is_correction_type:
+            raise ConfigError("--is_correction_threshold is the band of --is_correction_type: add one, or drop it")
+        if self.is_correction_type and self.vllm_is_correction_cap:
+            raise ConfigError(f"--vllm_is_correction_cap {self.vllm_is_correction_cap:g} is --is_correction_type tis "
+                              f"with a band of 0 to the cap; give one of the two")
         if self.dual_clip is not None and self.policy_loss_type == "cispo":
             raise ConfigError("--dual_clip bounds a clipped ratio's loss, and --policy_loss_type cispo clips no "
                               "ratio (its weight is detached): drop one")

@@ -91,9 +91,11 @@ def check_rollout_backend(cfg: PPORunConfig) -> None:
 
     model_cfg, rollout_cfg, rl_cfg, launch_cfg = cfg.model, cfg.rollout, cfg.rl, cfg.launch
     world, backend = planned_world_size(launch_cfg), resolved_backend(rollout_cfg)
-    if rl_cfg.vllm_is_correction_cap and rollout_cfg.rollout_backend == "hf":
-        raise ConfigError("--vllm_is_correction_cap corrects vLLM's sampling mismatch; with --rollout_backend hf "
-                          "the policy samples itself: drop it")
+    correction = "--vllm_is_correction_cap" if rl_cfg.vllm_is_correction_cap else \
+        "--is_correction_type" if rl_cfg.is_correction_type else None
+    if correction and rollout_cfg.rollout_backend == "hf":
+        raise ConfigError(f"{correction} corrects vLLM's sampling mismatch; with --rollout_backend hf the policy "
+                          "samples itself: drop it")
     if rollout_cfg.async_train and backend == "hf":
         raise ConfigError(f"--async_train overlaps vLLM's generation with training; with --rollout_backend "
                           f"{rollout_cfg.rollout_backend} (HF) the policy generates itself and nothing overlaps: "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from openpack.core.rl_losses import DEFAULT_CLIP, PolicyLossParams
+from openpack.core.rl_losses import DEFAULT_CLIP, DEFAULT_IS_THRESHOLD, PolicyLossParams
 from openpack.core.schedule import Batching
 from openpack.trainers.batching import batching
 
@@ -75,9 +75,14 @@ def rl_settings(cfg) -> RLSettings:
     rollout_cfg, rl_cfg, train_cfg = cfg.rollout, cfg.rl, cfg.train
     loss_type = rl_cfg.policy_loss_type or "ppo"
     low, high = rl_cfg.eps_clip_low_high or DEFAULT_CLIP.get(loss_type, (rl_cfg.eps_clip, rl_cfg.eps_clip))
+    correction = rl_cfg.is_correction_type
+    correction_low, correction_high = rl_cfg.is_correction_threshold or DEFAULT_IS_THRESHOLD
+    if rl_cfg.vllm_is_correction_cap:  # its alias: token TIS below the cap
+        correction, correction_low, correction_high = "tis", 0.0, rl_cfg.vllm_is_correction_cap
     policy = PolicyLossParams(eps_low=low, eps_high=high, kl_coef=rl_cfg.init_kl_coef if rl_cfg.use_kl_loss else 0.0,
-                              kl_estimator=rl_cfg.kl_estimator, tis_cap=rl_cfg.vllm_is_correction_cap,
-                              loss_type=loss_type, dual_clip=rl_cfg.dual_clip, entropy_coef=rl_cfg.entropy_coef)
+                              kl_estimator=rl_cfg.kl_estimator, loss_type=loss_type, dual_clip=rl_cfg.dual_clip,
+                              entropy_coef=rl_cfg.entropy_coef, correction=correction,
+                              correction_low=correction_low, correction_high=correction_high)
     return RLSettings(
         n_samples_per_prompt=rollout_cfg.n_samples_per_prompt, advantage_estimator=rl_cfg.advantage_estimator,
         loss_agg_mode=rl_cfg.loss_agg_mode, generate_max_len=rollout_cfg.generate_max_len, policy=policy,

@@ -20,10 +20,11 @@ from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo
 from openpack.rl.experience import Experience, in_batch_order, response_segment_ids, response_values
 from openpack.rl.settings import RLSettings
-from openpack.trainers.metrics import DeviceSums, StepMetrics, read_together
+from openpack.trainers.metrics import DeviceSums, StepMetrics, maximum_over_ranks, read_together
 from openpack.trainers.router_aux import RouterAux
 
 POLICY_SUMS = ("loss", "clipped", "tis_clipped", "entropy", "mismatch", "kl", "tokens")
+CORRECTION_SUMS = ("masked_tokens", "masked_sequences", "sequences", "ratio")  # with --is_correction_type
 CRITIC_SUMS = ("loss", "clipped", "values", "tokens")
 
 
@@ -42,8 +43,8 @@ def train_on(experience: Experience, engine, critic, settings: RLSettings, dist:
             engine.train()
             pending.append(policy_step(engine, experience, step, settings, dist))
     read = read_together(pending)  # the update's one host sync (and all-reduce) per rollout batch
-    metrics = {key: sum(r[key] for r in read if key in r) / len(steps) for key in dict.fromkeys(k for r in read
-                                                                                               for k in r)}
+    metrics = {key: _over_steps(key, [r[key] for r in read if key in r]) for key in dict.fromkeys(k for r in read
+                                                                                                 for k in r)}
     metrics.update(loss=metrics.get("policy_loss", metrics.get("critic_loss")), optimizer_steps=len(steps),
                    **_sharing_metrics(experience, steps))
     return metrics, sum(s.real_tokens for s in steps)  # every rank plans every rank's tokens
@@ -54,8 +55,9 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
     (``core/rl_losses.py``), ``w_t`` from the step's totals over every rank (``step.label_tokens``: its completion
     tokens; ``step.samples``: its completions), so each micro-batch's part needs no communication. An MoE policy
     adds its router load-balancing loss (``trainers/router_aux.py``)."""
-    router_aux = RouterAux(engine, step.real_tokens)
-    sums, grad_norm = DeviceSums(POLICY_SUMS + router_aux.names, dist.device), 0.0
+    router_aux, correcting = RouterAux(engine, step.real_tokens), settings.policy.correction is not None
+    sums = DeviceSums(POLICY_SUMS + (CORRECTION_SUMS if correcting else ()) + router_aux.names, dist.device)
+    grad_norm, ratio_max = 0.0, torch.zeros((), device=dist.device)
     micro_batches = experience.batcher.collate(step.micro_batches)
     for index, (host_batch, units) in enumerate(zip(micro_batches, step.micro_batches)):
         last = index == len(micro_batches) - 1
@@ -69,7 +71,7 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
         behaviour = in_batch_order(ids, experience.behaviour, dist.device)
         segment_ids = response_segment_ids(ids, experience.lengths, dist.device)
         terms = policy_terms(logp, old, in_batch_order(ids, experience.advantages, dist.device), settings.policy,
-                             ref_logp=ref, behaviour_logp=behaviour if settings.policy.tis_cap else None,
+                             ref_logp=ref, behaviour_logp=behaviour if correcting else None,
                              segment_ids=segment_ids, entropy=entropy)
         weights = token_weights(segment_ids, settings.loss_agg_mode, step.label_tokens[0], step.samples,
                                 settings.generate_max_len)
@@ -77,18 +79,40 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
         aux_loss, aux_sums = router_aux.term(host_batch.num_tokens)  # the host batch: no device sync
         engine.backward((loss + aux_loss) * dist.world_size)
         grad_norm = _boundary_step(engine, last, grad_norm)
+        corrections = _correction_sums(terms, segment_ids, len(ids)) if correcting else {}
+        if correcting:
+            ratio_max = torch.maximum(ratio_max, terms.is_ratio.max())
         sums.add(loss=loss, clipped=terms.clipped.sum(), tis_clipped=terms.tis_clipped.sum(),
                  entropy=entropy.detach().sum(), mismatch=(old - behaviour).abs().sum(), kl=terms.kl.sum(),
-                 tokens=logp.numel(), **aux_sums)
+                 tokens=logp.numel(), **corrections, **aux_sums)
 
     def metrics(totals: dict[str, float]) -> dict:
         tokens = max(totals["tokens"], 1)
         return {"policy_loss": totals["loss"], "clip_ratio": totals["clipped"] / tokens,
                 "tis_clip_ratio": totals["tis_clipped"] / tokens, "entropy": totals["entropy"] / tokens,
                 "vllm_logp_diff": totals["mismatch"] / tokens,
-                **({"kl_loss": totals["kl"] / tokens} if settings.use_kl_loss else {}), **router_aux.metrics(totals)}
+                **({"kl_loss": totals["kl"] / tokens} if settings.use_kl_loss else {}), **router_aux.metrics(totals),
+                **({"is_correction/masked_tokens": totals["masked_tokens"] / tokens,
+                    "is_correction/masked_sequences": totals["masked_sequences"] / max(totals["sequences"], 1),
+                    "is_correction/ratio_mean": totals["ratio"] / tokens} if correcting else {})}
 
-    return StepMetrics(sums, metrics, {"grad_norm": grad_norm})
+    values = {"grad_norm": grad_norm}
+    if correcting:  # a collective on the device, once per step: read with the sums
+        values["is_correction/ratio_max"] = maximum_over_ranks(ratio_max)
+    return StepMetrics(sums, metrics, values)
+
+
+def _correction_sums(terms, segment_ids: torch.Tensor, sequences: int) -> dict[str, torch.Tensor | int]:
+    """A micro-batch's rollout-correction counts: masked tokens, completions with a masked token, the ratios' sum."""
+    masked_per_sequence = torch.zeros(sequences, device=segment_ids.device).index_add_(0, segment_ids,
+                                                                                     terms.masked.float())
+    return {"masked_tokens": terms.masked.sum(), "masked_sequences": (masked_per_sequence > 0).sum(),
+            "sequences": sequences, "ratio": terms.is_ratio.sum()}
+
+
+def _over_steps(key: str, values: list[float]) -> float:
+    """A metric over a rollout batch's optimizer steps: the largest of a maximum, else the mean."""
+    return max(values) if key.endswith("_max") else sum(values) / len(values)
 
 
 def critic_step(critic, experience: Experience, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:

@@ -52,6 +52,14 @@ def summed_over_ranks(total: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def maximum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a device scalar) maximised over the process group's ranks, on the device (no host sync)."""
+    value = value.clone()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return value
+
+
 @dataclass
 class StepMetrics(Mapping):
     """One step's metrics, read to the host when first looked into (on every rank together: it all-reduces).

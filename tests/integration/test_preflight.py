@@ -130,8 +130,12 @@ def test_an_unreadable_dataset_is_found_before_the_run():
     (["--dual_clip", "1"], "--dual_clip must be > 1, got 1.0"),
     (["--policy_loss_type", "grpo"], "argument --policy_loss_type: invalid choice: 'grpo'"),
     (["--entropy_coef", "-0.1"], "--entropy_coef must be >= 0, got -0.1"),
+    (["--is_correction_type", "tis", "--vllm_is_correction_cap", "2"], "give one of the two"),
+    (["--is_correction_threshold", "0.5", "2"], "--is_correction_threshold is the band of --is_correction_type"),
+    (["--is_correction_type", "icepop", "--is_correction_threshold", "2", "0.5"], "low <= high"),
+    (["--is_correction_type", "icepop", "--rollout_backend", "hf"], "--is_correction_type corrects vLLM's sampling"),
 ])
-def test_bad_policy_loss_flags_fail_before_the_run(capsys, flags, expected):
+def test_bad_policy_loss_and_correction_flags_fail_before_the_run(capsys, flags, expected):
     from openpack.cli import train_grpo
 
     assert run(train_grpo.main, [*flags, "--launcher", "local"]) == 2

@@ -12,6 +12,7 @@ vLLM runs in subprocesses: an in-process engine ends torch.distributed's default
 """
 
 import json
+import math
 import subprocess
 import sys
 
@@ -47,8 +48,8 @@ def task(rl_task, tmp_path_factory):  # noqa: F811
     return {**rl_task, "reward": f"{reward}:logged"}
 
 
-def grpo(task, save_path, *flags, log=None):
-    argv = ["train_grpo", *task["args"], "--reward_fn", task["reward"], *RL, *VLLM, "--save_path", str(save_path),
+def grpo(task, save_path, *flags, log=None, vllm=VLLM):
+    argv = ["train_grpo", *task["args"], "--reward_fn", task["reward"], *RL, *vllm, "--save_path", str(save_path),
             *flags]
     env = {**LOOPBACK_RAY, "REWARD_LOG": str(log or save_path.parent / f"{save_path.name}.rewards")}
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", *argv], capture_output=True, text=True,
@@ -104,6 +105,23 @@ def test_a_resumed_async_run_trains_every_prompt_once(async_run, task, tmp_path)
     prompts = [p for batch in trained for p in batch]
     assert len(prompts) == len(set(prompts)) == 16  # every prompt of the one episode, once
     assert [m["async/staleness"] for m in read_metrics(resumed)] == [0.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.vllm
+def test_rollout_corrections_act_on_stale_samples(task, tmp_path):
+    """--max_staleness 1: rollout batch 2 was sampled by the weights before batch 1's update, so the trainer/vLLM
+    ratios w_t differ from 1 (its vllm_logp_diff, the mean |log w_t|, is above 1e-3: test above). icepop with the band
+    exp(-1e-3)..exp(1e-3) then masks the tokens whose |log w_t| passes 1e-3, some and not all; batch 1 (the same
+    weights, w_t = 1 to vLLM's rounding) masks none. The ratios' mean and maximum are logged."""
+    band = [f"{math.exp(-1e-3):.9f}", f"{math.exp(1e-3):.9f}"]
+    run = grpo(task, tmp_path / "icepop", "--max_steps", "2", "--async_train", "--max_staleness", "1",
+               "--is_correction_type", "icepop", "--is_correction_threshold", *band, vllm=VLLM[:-2])
+    first, second = read_metrics(run)
+    assert first["is_correction/masked_tokens"] == 0 and first["is_correction/ratio_max"] < math.exp(1e-3)
+    assert 0 < second["is_correction/masked_tokens"] < 1, second
+    assert 0 < second["is_correction/masked_sequences"] <= 1
+    assert second["is_correction/ratio_max"] >= second["is_correction/ratio_mean"] and \
+        abs(second["is_correction/ratio_mean"] - 1) < 0.1
 
 
 def test_async_with_hf_rollouts_is_refused(rl_task, tmp_path, capsys):  # noqa: F811

@@ -105,3 +105,40 @@ def test_the_entropy_bonus_subtracts_coef_times_the_entropy_with_its_gradient():
     close(grad, [-0.01, -0.01])
     with pytest.raises(ValueError, match="entropy"):
         policy_terms(torch.zeros(2), torch.zeros(2), torch.ones(2), PolicyLossParams(entropy_coef=0.01))
+
+
+def corrected(kind, ratios, segments, band=(0.5, 2.0)):
+    """policy_terms of PPO at ratio 1 (loss -A, A = 1) with the trainer/sampler ratios ``ratios``."""
+    behaviour = -torch.log(torch.tensor(ratios, dtype=torch.float64))
+    params = PolicyLossParams(correction=kind, correction_low=band[0], correction_high=band[1])
+    zeros = torch.zeros(len(ratios), dtype=torch.float64)
+    return policy_terms(zeros, zeros, torch.ones(len(ratios), dtype=torch.float64), params,
+                        behaviour_logp=behaviour, segment_ids=torch.tensor(segments))
+
+
+def test_rollout_corrections_hand_values():
+    """Band [0.5, 2]. Completion 0: ratios 0.25, 1.5, 4 (geometric mean 1.145, inside); completion 1: 4, 4
+    (geometric mean 4, outside). PPO's loss at ratio 1 with A = 1 is -1, so the loss is -c_t:
+
+        tis            c = 0.5, 1.5, 2 | 2, 2            truncated: 0.25, 4, 4, 4
+        icepop         c = 0, 1.5, 0 | 0, 0              masked: 0.25 and every 4; the 1.5 unchanged
+        seq-mask-tis   c = 0.5, 1.5, 2 | 0, 0            completion 1 masked whole, completion 0 truncated
+    """
+    ratios, segments = [0.25, 1.5, 4.0, 4.0, 4.0], [0, 0, 0, 1, 1]
+    tis = corrected("tis", ratios, segments)
+    close(tis.loss, [-0.5, -1.5, -2.0, -2.0, -2.0], tol=1e-12)
+    assert tis.tis_clipped.tolist() == [True, False, True, True, True] and not tis.masked.any()
+    close(tis.is_ratio, ratios, tol=1e-12)
+    icepop = corrected("icepop", ratios, segments)
+    close(icepop.loss, [0.0, -1.5, 0.0, 0.0, 0.0], tol=1e-12)
+    assert icepop.masked.tolist() == [True, False, True, True, True]
+    seq = corrected("seq-mask-tis", ratios, segments)
+    close(seq.loss, [-0.5, -1.5, -2.0, 0.0, 0.0], tol=1e-12)
+    assert seq.masked.tolist() == [False, False, False, True, True]
+    assert seq.tis_clipped.tolist() == [True, False, True, False, False]
+    assert math.isclose(math.exp((math.log(0.25) + math.log(1.5) + math.log(4.0)) / 3), 1.1447, rel_tol=1e-4)
+
+
+def test_a_rollout_correction_needs_the_sampler_s_log_probs():
+    with pytest.raises(ValueError, match="behaviour policy"):
+        policy_terms(torch.zeros(2), torch.zeros(2), torch.ones(2), PolicyLossParams(correction="icepop"))
