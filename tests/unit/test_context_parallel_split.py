@@ -7,10 +7,6 @@ N = 2: 1.0032, N = 4: 1.0055, N = 8: 1.0089, the same with a 512-token window; t
 Cutting the row instead of each document into 2N chunks gives 4.5M vs 15.9M pairs on a 6000 + 2192 row.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -20,8 +16,7 @@ from hypothesis import strategies as st
 from openpack.core.batch import Segment, collate_packed
 from openpack.core.context_parallel import attention_work, key_rows, shard_batch, split_row
 from openpack.core.packing import plan_packs
-
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "packing.py"
+from test_benchmark_packing import bench  # benchmarks/packing.py, loaded from its path
 
 
 def _cu(lengths) -> torch.Tensor:
@@ -120,18 +115,10 @@ def test_shard_batch_keeps_positions_and_shifted_labels():
     assert sum(shard_batch(batch, s).loss_mask.sum() for s in shards) == batch.loss_mask.sum()
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_packing", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("window", [None, 512])
 @pytest.mark.parametrize("size", [2, 4, 8])
 def test_balance_on_the_anchors_mix(size, window):
-    rows = _load_benchmark().generate_lengths(600, seed=0).sft_rows()
+    rows = bench.generate_lengths(600, seed=0).sft_rows()  # the ANCHORS length mix
     plan = plan_packs([[int(n)] for n in rows], max_tokens=4096 * size)
     for pack in plan.packs:
         work, tokens = _balance([int(rows[g]) for g in pack], size, window)
