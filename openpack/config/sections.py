@@ -161,13 +161,14 @@ def planned_world_size(launch_cfg: LaunchConfig) -> int:
 
 
 def check_batch_split(train: TrainConfig, launch_cfg: LaunchConfig) -> None:
-    """Fixed micro-batches (no --use_dynamic_batch) make a step of the same whole number of them on every rank."""
-    world = planned_world_size(launch_cfg)
+    """Fixed micro-batches (no --use_dynamic_batch) make a step of the same whole number of them on every
+    data-parallel rank (the ranks of a --ring_attn_size context group share theirs)."""
+    world = planned_world_size(launch_cfg) // (getattr(train, "ring_attn_size", None) or 1)  # train_sft's flag only
     if not train.use_dynamic_batch and train.train_batch_size % (train.micro_train_batch_size * world):
         raise ConfigError(
             f"--train_batch_size {train.train_batch_size} does not split into micro-batches of "
-            f"--micro_train_batch_size {train.micro_train_batch_size} on {world} rank(s); make it a multiple of "
-            f"{train.micro_train_batch_size * world}, or pass --packing_samples --use_dynamic_batch"
+            f"--micro_train_batch_size {train.micro_train_batch_size} on {world} data-parallel rank(s); make it a "
+            f"multiple of {train.micro_train_batch_size * world}, or pass --packing_samples --use_dynamic_batch"
         )
 
 

@@ -40,7 +40,7 @@ from openpack.distributed.save_path import checkpoint_dir, claim, resumes, tag_s
 from openpack.models.attention import set_attention_backend
 from openpack.models.memory import mark_memory
 from openpack.models.packed import PackedCausalLM
-from openpack.trainers.batching import batching
+from openpack.trainers.batching import batching, context_parallel_size
 from openpack.trainers.tracking import Tracker
 
 
@@ -72,12 +72,16 @@ def plan_ranks(items: list, segments: Callable[[object, int], list[Segment]], da
 
     ``items`` are every tokenized sample (each with its ``row``); ``segments(item, i)`` makes sample i's
     segments. ``scoring`` adds each rank's share of one pass over every sample (the reference cache).
+    Under --ring_attn_size N the steps are planned for world / N data-parallel ranks, and ranks
+    r N .. r N + N - 1 (one context group) all get data-parallel rank r's micro-batches.
     """
     per_sample = [segments(item, i) for i, item in enumerate(items)]
     lengths = [tuple(len(seg.tokens) for seg in segs) for segs in per_sample]
     labels = [tuple(seg.num_labels for seg in segs) for segs in per_sample]
-    steps = plan_run(lengths, labels, world_size, batching(train_cfg), train_cfg.train_batch_size,
+    ring = context_parallel_size(train_cfg)
+    steps = plan_run(lengths, labels, world_size // ring, batching(train_cfg), train_cfg.train_batch_size,
                      train_cfg.max_epochs, train_cfg.max_steps, train_cfg.seed)
+    steps = [steps[rank // ring] for rank in range(world_size)]
     if not steps[0]:
         raise DataError(f"{len(items)} samples make no full step of --train_batch_size "
                         f"{train_cfg.train_batch_size}; lower --train_batch_size or add data")
