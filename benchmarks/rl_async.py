@@ -47,11 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def prepare(work: Path) -> list[str]:
     """--pretrain, --prompt_data and the demo's config: its cached SFT model (trained first if missing) and prompts."""
-    code = ("from openpack.cli.train_sft import LaunchConfig, demo_sft_model; "
+    code = ("from openpack.config.commands import demo_sft_model; from openpack.config.sections import LaunchConfig; "
             "print(demo_sft_model(LaunchConfig(launcher='local'), 42))")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     shutil.copytree(found.stdout.strip().splitlines()[-1], work / "model", dirs_exist_ok=True)
-    from openpack.cli.train_ppo import DEMO_CONFIG
+    from openpack.config.rl import DEMO_CONFIG
     from openpack.trainers import demo
 
     return ["--config", str(DEMO_CONFIG), "--pretrain", str(work / "model"), "--prompt_data",

@@ -26,7 +26,7 @@ openpack parts it uses: ``core`` (``packing.shuffled_epoch``, ``schedule.plan_ru
 ``rl_losses.policy_terms`` and ``token_weights``); ``models.loading`` and ``models.packed.packed_forward`` (a
 packed forward needs openpack's attention function); ``rl.rewards.exact_match_reward``; the sampling seeds of
 ``rl.generation.request_seed`` and ``rollout.hf_engine.combined_seed``; the demo's model, prompts and
-held-out evaluation (``cli.train_sft.demo_sft_model``, ``data.demo_task``, ``trainers.demo``).
+held-out evaluation (``config.commands.demo_sft_model``, ``data.demo_task``, ``trainers.demo``).
 
     python examples/grpo_minimal.py        # the demo's defaults: 30 steps of 32 prompts x 8 completions
 
@@ -41,7 +41,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from openpack.cli.train_sft import LaunchConfig, demo_sft_model
+from openpack.config.commands import demo_sft_model
+from openpack.config.sections import LaunchConfig
 from openpack.core.advantages import sequence_advantages
 from openpack.core.batch import PackedBatch, Segment, collate_packed
 from openpack.core.logprobs import token_logprobs

@@ -1,12 +1,14 @@
-"""``openpack train_grpo``: ``openpack train_ppo`` with GRPO's defaults (``--advantage_estimator group_norm``,
-``--n_samples_per_prompt 8``); a --config file and flags override them as usual."""
+"""``openpack train_grpo``: parse and check the flags, claim ``--save_path``, train (``config.runner.run_training``).
+
+The command itself, its sections, demo, checks and launch, is ``config.commands.GRPO``; its flags and what they
+mean are in ``config/rl.py``.
+"""
 
 from __future__ import annotations
 
-import sys
-
-from openpack.cli import train_ppo
+from openpack.config.commands import GRPO
+from openpack.config.runner import run_training
 
 
 def main(argv: list[str] | None = None) -> int:
-    return train_ppo.main(sys.argv[1:] if argv is None else argv, "train_grpo", train_ppo.GRPORunConfig)
+    return run_training(GRPO, argv)

@@ -128,6 +128,47 @@ class SharedPrefix:
 
 
 @dataclass
+class ContextShard:
+    """What one rank of a context group of ``size`` holds of a packed row of T tokens and S segments.
+
+    This rank holds T_r tokens in P pieces (runs of consecutive positions of one segment), in segment order::
+
+        token_index     [T_r] int64  row position of each local token
+        piece_segment   [P] int64    the segment each piece belongs to
+        piece_offset    [P] int64    the piece's first position within its segment
+        piece_length    [P] int64
+        cu_seqlens_q    [P + 1] int32  piece boundaries in the local tokens; max_seqlen_q: the longest piece
+        segment_starts  [S] int64    where each segment starts in the whole row
+        segment_lengths [S] int64    each segment's whole length (length-dependent rope reads it)
+        gathered_index  [T] int64    row position -> row of the all-gathered buffer, in which rank q's tokens
+                                     fill rows q * max_local_tokens onwards, in its local order
+
+    Every rank of the group computes the same split (``core.context_parallel.split_row``), so each knows where
+    every key lands.
+    """
+
+    rank: int
+    size: int
+    token_index: torch.Tensor
+    piece_segment: torch.Tensor
+    piece_offset: torch.Tensor
+    piece_length: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_seqlen_q: int
+    segment_starts: torch.Tensor
+    segment_lengths: torch.Tensor
+    gathered_index: torch.Tensor
+    max_local_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_index.numel()
+
+    def to(self, device) -> "ContextShard":
+        return moved_to(self, device)
+
+
+@dataclass
 class PackedBatch:
     """A packed row; shapes with T tokens and S segments.
 
@@ -136,7 +177,8 @@ class PackedBatch:
     sample_index, role: [S] int64. ``label_positions`` [N] int64: where the
     labels are, in the flattened row (found on the host by ``to``). With prefix sharing only: label_source
     [T] int64 (``labels[t]`` is predicted from hidden state ``label_source[t]``;
-    None means from t itself) and ``shared_prefix``.
+    None means from t itself) and ``shared_prefix``. One rank's part of a row split over a context group
+    (``core.context_parallel.shard_batch``): ``context_shard``; ``cu_seqlens`` then counts local tokens.
     """
 
     input_ids: torch.Tensor
@@ -150,6 +192,7 @@ class PackedBatch:
     role: torch.Tensor
     label_source: torch.Tensor | None = None
     shared_prefix: SharedPrefix | None = None
+    context_shard: ContextShard | None = None
     label_positions: torch.Tensor | None = None  # set by ``to``: see ``moved_to``
 
     @property
@@ -173,6 +216,8 @@ class PackedBatch:
         }
         if self.shared_prefix is not None:
             kwargs["shared_prefix"] = self.shared_prefix
+        if self.context_shard is not None:
+            kwargs["context_shard"] = self.context_shard
         return kwargs
 
 
@@ -216,7 +261,7 @@ def moved_to(batch, device):
     values = {f.name: getattr(batch, f.name) for f in fields(batch)}
     if "label_positions" in values and values["label_positions"] is None and values["labels"].device.type == "cpu":
         values["label_positions"] = label_positions(values["labels"])
-    return type(batch)(**{k: v.to(device) if isinstance(v, SharedPrefix) else
+    return type(batch)(**{k: v.to(device) if isinstance(v, (SharedPrefix, ContextShard)) else
                           host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
 
 

@@ -32,37 +32,48 @@ def default_chunk_tokens(vocab_size: int) -> int:
 
 
 class _ChunkedLabelLogprobs(torch.autograd.Function):
-    """log_softmax(hidden @ weight.T)[label], chunk by chunk; backward recomputes each chunk.
+    """log_softmax(hidden @ weight.T)[label] and (``with_entropy``) each row's entropy, chunk by chunk; backward
+    recomputes each chunk.
 
     d logp_t / d logits_t = onehot(label_t) - softmax(logits_t), so the
     backward needs only the chunk's logits, never the whole [N, V] block. With a
     ``softcap`` the logits are capped (``chunk_logits``) and the gradient is scaled
-    by the cap's slope, one more chunk-sized buffer in the backward.
+    by the cap's slope, one more chunk-sized buffer in the backward. The entropy
+    H_t = -sum_v p_v log p_v has d H_t / d logits_t = -p (log p + H_t); its part of the
+    backward (two more chunk-sized buffers) runs only when the entropy is trained on
+    (an entropy bonus); as a metric it costs no backward.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, entropy_out=None, softcap=None):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, with_entropy=False, softcap=None):
+        ctx.set_materialize_grads(False)  # no entropy gradient unless a loss uses the entropy
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = start + chunk_tokens
             logits, _ = chunk_logits(hidden[start:end], weight, softcap)
             picked = logits.gather(1, labels[start:end, None])[:, 0]
-            if entropy_out is not None:  # H = lse - sum(p * logits), from the chunk already in memory
-                entropy_out[start:end] = _entropy(logits)
+            if with_entropy:  # H = lse - sum(p * logits), from the chunk already in memory
+                entropy[start:end] = _entropy(logits)
             out[start:end] = picked - _logsumexp_(logits)
         ctx.save_for_backward(hidden, weight, labels)
         ctx.chunk_tokens, ctx.softcap = chunk_tokens, softcap
-        return out
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_entropy):
         hidden, weight, labels = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        if grad_out is None:
+            grad_out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             end = start + ctx.chunk_tokens
             logits, slope = chunk_logits(hidden[start:end], weight, ctx.softcap, slope=True)
-            grad = _softmax_(logits).mul_(-grad_out[start:end, None])  # fp32, in the logits' buffer
+            if grad_entropy is None:
+                grad = _softmax_(logits).mul_(-grad_out[start:end, None])  # fp32, in the logits' buffer
+            else:
+                grad = _logprobs_and_entropy_grad(logits, grad_out[start:end], grad_entropy[start:end])
             grad.scatter_add_(1, labels[start:end, None], grad_out[start:end, None])
             if slope is not None:
                 grad.mul_(slope)
@@ -89,6 +100,15 @@ def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | No
     if not slope:
         return tanh.mul_(softcap), None
     return tanh * softcap, tanh.square_().neg_().add_(1)
+
+
+def _logprobs_and_entropy_grad(logits: torch.Tensor, grad_out: torch.Tensor, grad_entropy: torch.Tensor):
+    """d/d logits of sum_t (grad_out_t logp_t + grad_entropy_t H_t), less the one-hot part of logp's (added by the
+    caller): -p grad_out - p (log p + H) grad_entropy, row by row."""
+    log_p = torch.log_softmax(logits, dim=-1)
+    p = log_p.exp()
+    entropy = -(p * log_p).sum(dim=-1, keepdim=True)
+    return -p * (grad_out[:, None] + (log_p + entropy) * grad_entropy[:, None])
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -126,9 +146,9 @@ def token_logprobs(
     hidden: [T, H]; weight: [V, H] (the LM head); labels: [T] with
     IGNORE_INDEX where there is nothing to predict. Returns [T] fp32, 0.0 at
     ignored positions. ``entropy`` ([T] fp32, optional) is filled with the
-    entropy of each labelled position's distribution (0.0 elsewhere), a
-    metric computed from the logits chunk already in memory: no gradient, no
-    second projection. ``sources`` ([T] int64, prefix sharing: ``PackedBatch.label_source``) names the
+    entropy of each labelled position's distribution (0.0 elsewhere), computed
+    from the logits chunk already in memory (no second projection); it carries
+    its gradient, which costs a backward only where a loss uses it. ``sources`` ([T] int64, prefix sharing: ``PackedBatch.label_source``) names the
     hidden row each label is predicted from; None: its own row. ``positions`` ([N] int64, optional:
     ``PackedBatch.label_positions``) are where the labels are, found on the host; None: found here.
     ``softcap``: the model's ``final_logit_softcapping`` (Gemma-2/3), None for a plain head.
@@ -138,11 +158,10 @@ def token_logprobs(
     chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
     if positions is None:
         positions = label_positions(labels)
-    picked_entropy = None if entropy is None else torch.zeros(positions.numel(), device=hidden.device)
     rows = positions if sources is None else sources.reshape(-1)[positions]
-    picked = _ChunkedLabelLogprobs.apply(hidden[rows], weight, labels[positions], chunk_tokens, picked_entropy,
-                                         softcap)
-    if entropy is not None:
+    picked, picked_entropy = _ChunkedLabelLogprobs.apply(hidden[rows], weight, labels[positions], chunk_tokens,
+                                                         entropy is not None, softcap)
+    if entropy is not None:  # the caller's buffer, now with the entropy's gradient (an entropy bonus uses it)
         entropy.zero_().index_put_((positions,), picked_entropy)
     out = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device)
     return out.index_put((positions,), picked)

@@ -1,12 +1,37 @@
-"""The clipped policy loss of PPO-family online RL, per response token, and how tokens are weighed into a step.
+"""The policy losses of PPO-family online RL, per response token, and how tokens are weighed into a step.
 
-Per response token, with ratio rho = exp(logp - old_logp) and advantage A::
+Per response token t of completion i, with ratio r_t = exp(logp_t - old_logp_t) and advantage A_t, the policy
+loss is one of ``POLICY_LOSSES`` (``--policy_loss_type``)::
 
-    loss_t = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)         PPO; eps_high > eps_low: DAPO's
-                                                                          clip-higher
-    loss_t *= min(exp(old_logp - behaviour_logp), cap)                   truncated importance sampling (TIS):
-                                                                          vLLM sampled, the trainer scores
-    loss_t += kl_coef * kl(logp, ref_logp)                               --use_kl_loss (GRPO's KL term)
+    ppo    loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)       eps_high > eps_low: DAPO's
+                                                                                  clip-higher
+    gspo   s_i = exp(mean_t(logp_t - old_logp_t)), one ratio per completion        Zheng et al. 2025 (GSPO),
+           s_it = sg[s_i] * exp(logp_t - sg[logp_t])       (value s_i, gradient    the GSPO-token form: per-token
+                                                            s_i d logp_t)          advantages (GAE, turn credit)
+           loss_t = -min(s_it A_t, clip(s_it, 1 - eps_low, 1 + eps_high) A_t)      work; clipped per completion
+    cispo  loss_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] A_t logp_t          MiniMax-M1 (CISPO): the weight
+                                                                                  is clipped, no token's gradient
+                                                                                  is dropped
+
+then, in this order::
+
+    dual clip (ppo, gspo; --dual_clip c > 1, A_t < 0):   loss_t = min(loss_t, -c A_t)    Ye et al. 2020: a
+                                                          negative advantage's loss is bounded by c |A_t|
+    loss_t *= sg[c_t]                                    a rollout correction (--is_correction_type): vLLM
+                                                          sampled, the trainer scores; below
+    loss_t += kl_coef * kl(logp, ref_logp)               --use_kl_loss (GRPO's KL term)
+    loss_t -= entropy_coef * H_t                         --entropy_coef: an entropy bonus (H_t with its gradient)
+
+A rollout correction weighs each token by the trainer/sampler ratio w_t = exp(old_logp_t - behaviour_logp_t) within
+[LOW, HIGH] (``--is_correction_threshold``; OpenRLHF 0.11's ``--algo.advantage.is_correction_*``)::
+
+    tis            c_t = clip(w_t, LOW, HIGH)                      truncated importance sampling
+    icepop         c_t = w_t if LOW <= w_t <= HIGH, else 0         tokens outside the band are masked
+    seq-mask-tis   c_t = clip(w_t, LOW, HIGH) if LOW <= exp(mean_t' log w_t') <= HIGH, else 0: a completion whose
+                   geometric-mean ratio is outside the band is masked whole, the rest get token TIS
+
+At the first update of a rollout batch old_logp = sg[logp]: every ratio is 1, GSPO's gradient is the per-token
+gradient with each completion's tokens sharing its ratio, and CISPO's is REINFORCE's (A_t d logp_t).
 
 A step's loss is sum_t w_t loss_t over every response token of the step, on
 all ranks and micro-batches, with the weights of ``--loss_agg_mode``::
@@ -37,13 +62,27 @@ from openpack.core.advantages import kl
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+IS_CORRECTIONS = ("tis", "icepop", "seq-mask-tis")
+DEFAULT_IS_THRESHOLD = (0.5, 5.0)  # OpenRLHF 0.11's --algo.advantage.is_correction_threshold
+# The clip ranges a loss uses unless --eps_clip_low_high is given: GSPO's sequence ratios stay near 1, so its paper
+# (Zheng et al. 2025, section 5.1) clips them at 3e-4 below and 4e-4 above; CISPO bounds only the weight from above,
+# at 5 (MiniMax-M1 sets no lower bound; TRL's epsilon_high 5.0, after ScaleRL). PPO's is --eps_clip (0.2).
+DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "cispo": (1.0, 4.0)}
+
+
 @dataclass
 class PolicyLossParams:
     eps_low: float = 0.2
     eps_high: float = 0.2
     kl_coef: float = 0.0  # > 0 with --use_kl_loss
     kl_estimator: str = "k3"
-    tis_cap: float = 0.0  # 0: no truncated importance sampling
+    loss_type: str = "ppo"  # one of POLICY_LOSSES
+    correction: str | None = None  # one of IS_CORRECTIONS; None: the sampler's log-probs are not used
+    correction_low: float = 0.0
+    correction_high: float = float("inf")
+    dual_clip: float | None = None  # > 1: bound a negative advantage's loss at dual_clip x |A| (ppo, gspo)
+    entropy_coef: float = 0.0  # > 0: an entropy bonus
 
 
 @dataclass
@@ -51,31 +90,97 @@ class PolicyTerms:
     """Per-token parts of the loss, each [N] over response tokens."""
 
     loss: Tensor
-    clipped: Tensor  # bool: the clipped branch was taken (the token carries no gradient from the ratio)
-    tis_clipped: Tensor  # bool: the importance weight hit its cap
+    clipped: Tensor  # bool: the ratio (or CISPO's weight) hit its clip range
+    tis_clipped: Tensor  # bool: a rollout correction's weight was truncated
     kl: Tensor
+    masked: Tensor | None = None  # bool: a rollout correction gave the token weight 0 (icepop, seq-mask-tis)
+    is_ratio: Tensor | None = None  # the trainer/sampler ratio w_t, with a rollout correction
 
 
 def policy_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor, params: PolicyLossParams,
-                 ref_logp: Tensor | None = None, behaviour_logp: Tensor | None = None) -> PolicyTerms:
-    """The per-token loss of the module docstring; ``ref_logp`` is needed for a KL loss, ``behaviour_logp`` for TIS."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - params.eps_low, 1 + params.eps_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    tis_clipped = torch.zeros_like(loss, dtype=torch.bool)
-    if params.tis_cap:
+                 ref_logp: Tensor | None = None, behaviour_logp: Tensor | None = None,
+                 segment_ids: Tensor | None = None, entropy: Tensor | None = None) -> PolicyTerms:
+    """The per-token loss of the module docstring; ``ref_logp`` is needed for a KL loss, ``behaviour_logp`` for a
+    rollout correction, ``segment_ids`` ([N], each token's completion) for GSPO and seq-mask-tis, ``entropy`` (with
+    its gradient) for an entropy bonus."""
+    loss, clipped = SURROGATES[params.loss_type](logp, old_logp, advantages, params, segment_ids)
+    if params.dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -params.dual_clip * advantages), loss)
+    tis_clipped, masked, ratio = torch.zeros_like(loss, dtype=torch.bool), None, None
+    if params.correction is not None:
         if behaviour_logp is None:
-            raise ValueError("truncated importance sampling needs the behaviour policy's (vLLM's) log-probs")
-        weight = torch.exp(old_logp - behaviour_logp)
-        tis_clipped = weight > params.tis_cap
-        loss = loss * weight.clamp(max=params.tis_cap).detach()
+            raise ValueError("a rollout correction needs the behaviour policy's (vLLM's) log-probs")
+        ratio = torch.exp(old_logp - behaviour_logp).detach()
+        weight, tis_clipped, masked = rollout_correction(ratio, params, segment_ids)
+        loss = loss * weight
     kl_term = torch.zeros_like(loss)
     if ref_logp is not None:
         kl_term = kl(logp, ref_logp, params.kl_estimator)
         if params.kl_coef:
             loss = loss + params.kl_coef * kl_term
-    return PolicyTerms(loss, clipped < unclipped, tis_clipped, kl_term.detach())
+    if params.entropy_coef:
+        if entropy is None:
+            raise ValueError("an entropy bonus needs the tokens' entropy, with its gradient")
+        loss = loss - params.entropy_coef * entropy
+    return PolicyTerms(loss, clipped, tis_clipped, kl_term.detach(), masked, ratio)
+
+
+def rollout_correction(ratio: Tensor, params: PolicyLossParams,
+                       segment_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The weight c_t of ``params.correction`` (module docstring) from the ratios w_t [N]: (c_t, truncated,
+    masked)."""
+    low, high, kind = params.correction_low, params.correction_high, params.correction
+    if kind not in IS_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {kind!r}; choose one of {', '.join(IS_CORRECTIONS)}")
+    if kind == "icepop":
+        keep = (ratio >= low) & (ratio <= high)
+        return ratio * keep, torch.zeros_like(keep), ~keep
+    truncated = ratio.clamp(low, high)
+    if kind == "tis":
+        return truncated, truncated != ratio, torch.zeros_like(ratio, dtype=torch.bool)
+    if segment_ids is None:
+        raise ValueError("seq-mask-tis's geometric mean needs each token's completion (segment_ids)")
+    geometric = torch.exp(segment_mean(torch.log(ratio), segment_ids))
+    keep = ((geometric >= low) & (geometric <= high))[segment_ids]
+    return truncated * keep, (truncated != ratio) & keep, ~keep
+
+
+def segment_mean(values: Tensor, segment_ids: Tensor) -> Tensor:
+    """The mean of ``values`` [N] over each completion: [S] (completion s holds the tokens with segment_ids s)."""
+    count = torch.bincount(segment_ids).to(values.dtype)
+    return torch.zeros_like(count).index_add_(0, segment_ids, values) / count
+
+
+def ppo_surrogate(logp, old_logp, advantages, params, segment_ids=None) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate, per token: (loss_t, clipped_t)."""
+    return clipped_surrogate(torch.exp(logp - old_logp), advantages, params)
+
+
+def gspo_surrogate(logp, old_logp, advantages, params, segment_ids=None) -> tuple[Tensor, Tensor]:
+    """GSPO-token: each token carries its completion's ratio s_i (the exp of the mean log-ratio over its tokens)
+    as value, and s_i d logp_t as gradient; the clip then acts per completion."""
+    if segment_ids is None:
+        raise ValueError("GSPO's sequence ratio needs each token's completion (segment_ids)")
+    sequence = torch.exp(segment_mean((logp - old_logp).detach(), segment_ids))
+    ratio = sequence[segment_ids] * torch.exp(logp - logp.detach())
+    return clipped_surrogate(ratio, advantages, params)
+
+
+def cispo_surrogate(logp, old_logp, advantages, params, segment_ids=None) -> tuple[Tensor, Tensor]:
+    """CISPO: the clipped importance weight, detached, times the advantage and the token's log-prob."""
+    ratio = torch.exp(logp - old_logp).detach()
+    weight = ratio.clamp(1 - params.eps_low, 1 + params.eps_high)
+    return -weight * advantages * logp, weight != ratio
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, params: PolicyLossParams) -> tuple[Tensor, Tensor]:
+    """-min(ratio A, clip(ratio) A), and where the clipped branch was taken (the ratio carries no gradient)."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - params.eps_low, 1 + params.eps_high) * advantages
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+SURROGATES = {"ppo": ppo_surrogate, "gspo": gspo_surrogate, "cispo": cispo_surrogate}
 
 
 def token_weights(segment_ids: Tensor, mode: str, step_tokens: int, step_sequences: int,

@@ -110,6 +110,24 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def join_context_group(size: int) -> int:
+    """Form the context groups of ``size`` consecutive ranks (``--ring_attn_size``) and make this rank's the one
+    packed attention gathers keys over (``models.context_parallel``); returns this rank's place in it.
+
+    Every rank creates every group, as ``torch.distributed.new_group`` requires. A group of its own even when it
+    spans the world: its collectives then never queue behind DeepSpeed's on one communicator.
+    """
+    from openpack.models.context_parallel import set_context_group
+
+    if size == 1:
+        set_context_group(None)
+        return 0
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    groups = [torch.distributed.new_group(list(range(start, start + size))) for start in range(0, world, size)]
+    set_context_group(groups[rank // size])
+    return rank % size
+
+
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -36,6 +36,15 @@ CUDA). On CPU the second call is SDPA per response with an explicit
 bottom-right mask; ``models.verify.shared_prefix_mask`` is the block-mask
 reference it is tested against.
 
+Context parallelism (``context_shard`` in the keyword arguments; see
+``core.context_parallel``): this rank holds pieces of the row's documents.
+The keys and values of the whole row are all-gathered from the context group
+(``models.context_parallel``), then each piece is a block of queries over its
+document's keys from position 0 (or the window before it) up to its own last
+token: the cross call above, causal aligned to the bottom-right corner, so a
+piece that continues a document held by another rank sees exactly that
+document's earlier tokens. Tested on CPU (SDPA, gloo) only.
+
 Boundaries are never guessed from ``position_ids``. A packed forward with a KV
 cache is refused: transformers' own packed-sequence detection switches off
 when a cache is present (measured 0.50 max logit error on a tiny Llama).
@@ -50,6 +59,9 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from openpack.core.context_parallel import key_rows
+from openpack.models.context_parallel import all_gather_rows
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +133,10 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     window = kwargs.get("sliding_window")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     groups = query.shape[1] // key.shape[1]  # query heads per KV head (GPT-NeoX's attention names no such field)
+    shard = kwargs.get("context_shard")
+    if shard is not None:
+        out = _context_parallel_attention(backend, q, k, v, shard, scaling, dropout, window, groups, softcap)
+        return out[None], None
     shared = kwargs.get("shared_prefix")
     if shared is not None:
         out = _shared_prefix_attention(backend, q, k, v, shared, scaling, dropout, window, groups, softcap)
@@ -144,6 +160,16 @@ def _shared_prefix_attention(backend, q, k, v, shared, scale, dropout, window, g
         scale, dropout, window, groups, softcap,
     )
     return _gather(torch.cat([main, cross]), shared.restore)
+
+
+def _context_parallel_attention(backend, q, k, v, shard, scale, dropout, window, groups, softcap=None):
+    """This rank's queries over their documents' keys, gathered from the context group: one all-gather of K and V
+    together, then one cross call with each local piece at the bottom-right corner of its keys."""
+    gathered = all_gather_rows(torch.cat([k, v], dim=1), shard)  # [N x max_local_tokens, 2 Hkv, D]
+    rows, cu_k, max_k = key_rows(shard, window)
+    keys, values = _gather(gathered, rows).split(k.shape[1], dim=1)
+    return _CROSS_KERNELS[backend](q, keys, values, shard.cu_seqlens_q, cu_k, shard.max_seqlen_q, max_k, scale,
+                                   dropout, window, groups, softcap)
 
 
 class _Gather(torch.autograd.Function):

@@ -132,7 +132,11 @@ def per_sequence_rope(model, batch):
 
 
 def packed_lengths(batch) -> torch.Tensor:
-    """[1, T]: each token's sequence length (its segment's last position + 1) in a packed row."""
+    """[1, T]: each token's sequence length (its segment's last position + 1) in a packed row; in one rank's part
+    of a row split over a context group, its segment's whole length."""
+    shard = getattr(batch, "context_shard", None)
+    if shard is not None:
+        return shard.segment_lengths.to(batch.segment_ids.device)[batch.segment_ids][None]
     cu = batch.cu_seqlens.long()
     ends = batch.position_ids[0].index_select(0, cu[1:] - 1) + 1
     return ends.repeat_interleave(cu[1:] - cu[:-1])[None]

@@ -13,8 +13,12 @@ from contextlib import contextmanager
 import torch
 
 from openpack.core.batch import CHOSEN, PROMPT, Segment, collate_packed
+from openpack.models.attention import resolve_backend
 from openpack.models.packed import packed_token_logprobs
-from openpack.models.rope import fresh_rope_state
+from openpack.models.rope import fresh_rope_state, length_dependent_rope
+from openpack.models.tiny import tiny_causal_lm
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def random_segments(lengths, vocab_size: int, seed: int = 0) -> list[Segment]:
@@ -181,3 +185,43 @@ def shared_vs_unpacked(model, groups, seed: int = 0, dtype: torch.dtype = torch.
         result["unpacked_logprob_error"] = (low_sums - ref_sums).abs().max().item()
         result["unpacked_grad_error"] = _max_error(low_grads, ref_grads)
     return result
+
+
+def load_checked(arch: str | None, cfg):
+    """The model to check: ``--pretrain`` in fp32 (the reference; refused before its weights load if its family
+    cannot pack exactly), else the tiny ``arch``."""
+    if arch is None:
+        from openpack.models.loading import load_causal_lm
+
+        return load_causal_lm(cfg.pretrain).eval()
+    return tiny_causal_lm(arch, seed=cfg.seed)
+
+
+def shared_groups(lengths: list[int]) -> list[tuple[int, list[int]]]:
+    """--lengths as groups of a prompt and up to 3 completions: [7, 13, 1, 20, 5] -> [(7, [13, 1, 20]), (5, [])]."""
+    return [(lengths[i], lengths[i + 1:i + 4]) for i in range(0, len(lengths), 4)]
+
+
+def check_arch(arch: str | None, cfg, device: torch.device) -> list[dict]:
+    """``openpack check_packing`` on one model (``cfg``: its ``CheckPackingConfig``): one result per layout
+    checked, packed segments, then (``--prefix_sharing``) a prefix-shared row."""
+    model = load_checked(arch, cfg).to(device)
+    head = {"arch": arch or cfg.pretrain, "device": str(device), "dtype": cfg.dtype,
+            "backend": resolve_backend(device, DTYPES[cfg.dtype])}
+    results = [{**head, "layout": "packed", **packed_vs_unpacked(model, cfg.lengths, cfg.seed, DTYPES[cfg.dtype])}]
+    groups = [g for g in shared_groups(cfg.lengths) if g[1]]
+    if cfg.prefix_sharing and groups and length_dependent_rope(model.config) is None:
+        results.append({**head, "layout": "prefix_shared",
+                        **shared_vs_unpacked(model, groups, cfg.seed, DTYPES[cfg.dtype])})
+    for result in results:
+        result["passed"] = within_error_budget(result, cfg.tolerance)
+    return results
+
+
+def packing_verdict(results: list[dict], device: torch.device, cfg) -> str:
+    """The line that ends ``openpack check_packing``: exact, or the models and layouts that are not."""
+    failed = list(dict.fromkeys(f"{r['arch']} ({r['layout']})" for r in results if not r["passed"]))
+    verdict = f"NOT exact for {', '.join(failed)}" if failed else "exact"
+    layouts = " and ".join(dict.fromkeys(r["layout"] for r in results))
+    what = cfg.pretrain or f"{len({r['arch'] for r in results})} architectures"
+    return f"packed attention on {device} ({cfg.dtype}): {verdict} across {what} ({layouts} rows)"

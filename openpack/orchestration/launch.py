@@ -29,7 +29,7 @@ def launched_by_environment() -> bool:
 
 def launch(worker, cfg, worker_kwargs: dict, planner, reference=None, engines=None, rewards=None) -> int:
     """Run ``worker(cfg, **worker_kwargs)`` on every rank with the launcher ``cfg.launch`` names (``cfg``: the
-    command's run config, ``cli/config.py``'s ``RunConfig``).
+    command's run config, ``config/schema.py``'s ``RunConfig``).
 
     Under Ray this process is the driver: ``planner(world_size)`` tokenizes the data once and returns
     each rank's plan, handed to rank r as ``plan=``. With ``--launcher local``, torchrun or the deepspeed

@@ -75,6 +75,10 @@ class Colocation:
             self.engines.wake_up(["kv_cache"])
         return self
 
+    def metrics(self) -> dict[str, float]:
+        """The last push, made at the engines' wake: the step's weight sync."""
+        return {"time/weight_sync": self.push_s}
+
     def __exit__(self, *exc) -> None:
         if self.engines is not None:
             self.engines.sleep()

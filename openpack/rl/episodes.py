@@ -34,6 +34,11 @@ class Rollouts:
     env_rewards: list[float] = field(default_factory=list)  # the environment's reward of each episode (its turns')
     turn_credit: list[list[float]] = field(default_factory=list)  # [B][targets] each turn's reward at its last
 
+    @property
+    def size(self) -> int:
+        """B, the completions (or episodes) in the batch."""
+        return len(self.prompt_tokens)
+
     def target_mask(self, k: int) -> list[bool]:
         """Which completion tokens of sample ``k`` are trained: all, or an episode's sampled ones."""
         return self.targets[k] if self.targets else [True] * len(self.completion_tokens[k])
@@ -144,12 +149,10 @@ def shared_rollouts(local: Rollouts | None, dist: DistInfo, generated_on_all_ran
     return Rollouts.concat(all_gather_objects(local))
 
 
-def rollout_metrics(rollouts: Rollouts, generation_s: float) -> dict:
+def rollout_metrics(rollouts: Rollouts) -> dict:
     """Reward and response-length statistics of a rollout batch (TRL's and OpenRLHF's names)."""
     rewards = torch.tensor(rollouts.rewards, dtype=torch.float64)
     lengths = torch.tensor(rollouts.response_lengths(), dtype=torch.float64)
     return {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
             "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-            "response_length/truncated": 1.0 - sum(rollouts.finished) / len(rollouts.finished),
-            "generation_tokens_per_s": lengths.sum().item() / max(generation_s, 1e-9),
-            "time/generation": generation_s}
+            "response_length/truncated": 1.0 - sum(rollouts.finished) / len(rollouts.finished)}

@@ -1,5 +1,6 @@
-"""How a rollout batch becomes experience: per-token log-probs of the old policy, the reference and the critic,
-each scored in one packed pass shared across ranks, then advantages (and returns) per completion token.
+"""How a rollout batch becomes experience (``make_experience``): per-token log-probs of the old policy, the reference
+and the critic's values, each scored in one packed pass shared across ranks, then advantages (and returns) per
+completion token, handed to the update as one typed ``Experience``.
 
 The old policy's log-probs are computed in their own pass only when they differ from the update's own (several
 updates per rollout, a KL penalty in the reward, or an asynchronous rollout): with one update per rollout the
@@ -8,12 +9,13 @@ ratio's denominator is the first forward's log-probs, detached, as TRL does for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
 from openpack.core.advantages import gae, kl, sequence_advantages, token_returns, token_rewards, whiten, whitens
-from openpack.core.batch import host_to_device
+from openpack.core.batch import PackedBatch, host_to_device
 from openpack.core.schedule import plan_scoring
 from openpack.distributed.process import DistInfo, all_gather_objects
 from openpack.rl.episodes import Rollouts, Units
@@ -42,6 +44,64 @@ def response_segment_ids(ids: list[int], lengths: list[int], device) -> torch.Te
     """Which segment of the batch of samples ``ids`` each completion token belongs to: [N] (0..S-1)."""
     counts = torch.tensor([lengths[k] for k in ids])
     return host_to_device(torch.repeat_interleave(torch.arange(len(counts)), counts), device)
+
+
+Scorer = Callable[[PackedBatch], torch.Tensor]  # a packed batch -> per-token values [1, T] (an engine's forward)
+
+
+@dataclass
+class Scorers:
+    """What scores a rollout batch's completions per token before its updates; None where the run needs none."""
+
+    old: Scorer | None = None  # the policy before its updates (``RLSettings.needs_old_pass``)
+    ref: Scorer | None = None  # the reference model (a KL term)
+    values: Scorer | None = None  # the critic (GAE)
+
+    def given(self) -> dict[str, Scorer]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
+class Experience:
+    """A rollout batch ready to train on: how its completions are laid out, and per completion (by id, prompt-major)
+    the per-token tensors the losses read, each [its trained tokens]."""
+
+    rollouts: Rollouts
+    units: Units  # the completions' layout in packed rows (``--prefix_sharing``)
+    batcher: MicroBatcher  # collates micro-batches of units
+    lengths: list[int]  # trained tokens of each completion
+    behaviour: list[torch.Tensor]  # the sampler's log-probs
+    advantages: list[torch.Tensor]
+    old: dict[int, torch.Tensor] | None = None  # the policy's before the update (None: the update's own, detached)
+    ref: dict[int, torch.Tensor] | None = None
+    values: dict[int, torch.Tensor] | None = None  # the critic's at rollout time
+    returns: list[torch.Tensor] | None = None  # the critic's targets
+
+    def metrics(self, kl_estimator: str) -> dict[str, float]:
+        """The advantages' mean and spread, the returns' mean, and the KL of the old policy to the reference."""
+        flat = torch.cat(self.advantages)
+        metrics = {"advantages/mean": flat.mean().item(),
+                   "advantages/std": flat.std().item() if flat.numel() > 1 else 0.0}
+        if self.returns is not None:
+            metrics["returns"] = torch.cat(self.returns).mean().item()
+        if self.ref is not None and self.old is not None:
+            metrics["kl"] = torch.cat([kl(self.old[k], self.ref[k], kl_estimator)
+                                       for k in range(len(self.lengths))]).mean().item()
+        return metrics
+
+
+def make_experience(rollouts: Rollouts, scorers: Scorers, settings: RLSettings, dist: DistInfo,
+                    pad_token_id: int) -> Experience:
+    """Score the batch (this rank's share of one packed pass per scorer, gathered) and compute its advantages, the
+    same on every rank."""
+    units = Units(rollouts, settings.prefix_sharing, settings.n_samples_per_prompt, settings.max_tokens_per_gpu)
+    scored = score_share(units, scorers.given(), settings.max_tokens_per_gpu, dist)
+    old, ref, values = scored.get("old"), scored.get("ref"), scored.get("values")
+    per_token, returns = advantages(rollouts, settings, old, ref, values)
+    return Experience(rollouts=rollouts, units=units,
+                      batcher=MicroBatcher(units.segments, settings.packing_samples, pad_token_id),
+                      lengths=rollouts.response_lengths(), behaviour=[torch.tensor(b) for b in rollouts.behaviour],
+                      advantages=per_token, old=old, ref=ref, values=values, returns=returns)
 
 
 @torch.no_grad()
@@ -92,20 +152,3 @@ def advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, ref: 
     if whitens(settings.advantage_estimator):
         returns = whiten(returns)
     return list(returns.split(lengths)), None
-
-
-@dataclass
-class StepParts:
-    """What one update step uses: the engine, the batcher over the batch's units, and per-completion tensors."""
-
-    engine: object
-    batcher: MicroBatcher
-    units: Units
-    lengths: list[int]
-    advantages: list[torch.Tensor]
-    behaviour: list[torch.Tensor]
-    old: dict | None
-    ref: dict | None
-    critic: object = None  # the critic's engine (GAE)
-    values: dict | None = None  # the critic's values at rollout time, per sample
-    returns: list[torch.Tensor] | None = None  # the critic's targets

@@ -12,10 +12,15 @@ import hashlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from openpack.data.prompts import Prompt
 from openpack.rl.episodes import Rollouts, shared_rollouts
 from openpack.rollout.interface import SamplingConfig
+
+if TYPE_CHECKING:
+    from openpack.rollout.engine_group import EngineGroup
+    from openpack.rollout.hf_engine import HFEngine
 
 
 def request_seed(seed: int, step: int, index: int) -> int:
@@ -45,7 +50,7 @@ class Generator:
     """
 
     backend: str
-    engines: object  # EngineGroup or InOrder (vLLM), HFEngine
+    engines: EngineGroup | InOrder | HFEngine | None  # vLLM engines (None on ranks that do not drive them), or HF
     sampling: SamplingConfig
     seed: int
     chunk: int  # prompts per HF generate call
@@ -81,6 +86,10 @@ class Generator:
     def rollouts(self, prompts: list[Prompt], step: int, dist, version: int = 0) -> Rollouts:
         """The completions of ``prompts`` (rollout batch ``step``), on every rank."""
         return self.result(self.submit(prompts, step, dist, version), dist)
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers of the last batch beyond its completions (single completions have none; episodes do)."""
+        return {}
 
 
 def _share(count: int, rank: int, world: int) -> tuple[int, int]:

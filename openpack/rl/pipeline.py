@@ -52,7 +52,7 @@ class RolloutPipeline:
         self.generator, self.prompts, self.schedule = generator, prompts, schedule
         self.depth, self.async_train = depth, async_train
         self.in_flight: dict[int, Pending] = {}
-        self.metrics: dict[str, float] = {}
+        self.async_metrics: dict[str, float] = {}
 
     def rollouts(self, step: int, dist, version: int) -> Rollouts:
         """Rollout batch ``step`` trained at policy ``version``; then the batches up to ``step + depth`` asked for."""
@@ -67,10 +67,14 @@ class RolloutPipeline:
                            "it again with the current weights", step + 1, dropped, self.depth)
             rollouts = self.generator.result(self._submit(step, dist, version), dist)
         if self.async_train:
-            self.metrics = {"async/staleness": sum(version - v for v in rollouts.versions) / len(rollouts.versions),
+            self.async_metrics = {"async/staleness": sum(version - v for v in rollouts.versions) / len(rollouts.versions),
                             "async/dropped_stale": float(dropped),
                             "async/generation_wait_s": time.perf_counter() - start}
         return rollouts
+
+    def metrics(self) -> dict[str, float]:
+        """The last batch's: its generator's (episodes, tools) and, with --async_train, its staleness and wait."""
+        return {**self.generator.metrics(), **self.async_metrics}
 
     def _submit(self, step: int, dist, version: int) -> Pending:
         return self.generator.submit([self.prompts[i] for i in self.schedule[step]], step, dist, version)

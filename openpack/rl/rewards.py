@@ -33,12 +33,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from openpack.core.advantages import clip_rewards, overlong_penalty
 from openpack.data.loading import DataError
+from openpack.data.prompts import Prompt
 from openpack.distributed.process import DistInfo, broadcast_object
+from openpack.rl.episodes import Rollouts
 from openpack.rl.settings import RLSettings
 
 RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[dict]], Sequence[float]]
@@ -255,6 +258,41 @@ def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
         return checked(exact_match_reward)
     raise DataError("no reward: give --reward_fn path.py:function, --remote_rm_url URL, or --label_key COLUMN "
                     "(exact match of the completion to that column)")
+
+
+class RolloutRewards(Protocol):
+    """A rollout batch's raw rewards, one per completion, on every rank (``prompts``: one per group of n)."""
+
+    name: str  # said when a reward gives nothing to learn from
+
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
+        ...
+
+
+class SourceRewards:
+    """A reward source's answer for single completions: asked on rank 0 with the texts of each prompt and
+    completion and the prompt's row (reward models: also the token ids of prompt + completion), then shared."""
+
+    def __init__(self, source, tokenizer, n: int):
+        self.source, self.tokenizer, self.n = source, tokenizer, n
+        self.name = getattr(source, "reward_name", "the reward")
+
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
+        texts = ([p.text for p in prompts for _ in range(self.n)],
+                 self.tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),
+                 [p.row for p in prompts for _ in range(self.n)])
+        sequences = [p + c for p, c in zip(rollouts.prompt_tokens, rollouts.completion_tokens)]
+        return shared_rewards(self.source, texts, dist, where, sequences)
+
+
+class EpisodeRewards:
+    """Multi-turn episodes' rewards: their environments', summed over each episode's turns (``rl/agents``),
+    already on every rank."""
+
+    name = "the environment"
+
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
+        return rollouts.env_rewards
 
 
 def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist: DistInfo, where: str,

@@ -1,16 +1,19 @@
-"""What one RL step needs of the flags, in one object: ``RLSettings``, built from the run's rl/rollout/train
-sections by ``rl_settings`` (``cli/train_ppo.py`` holds the flags with their help)."""
+"""What one RL step needs of the flags, in one object: ``RLSettings``, built by keyword from the run's rl, rollout
+and train sections by ``rl_settings`` (the sections hold the flags with their help). The step never reads a
+section itself, so everything below ``rl/worker.py`` sees typed values, not the run config."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from openpack.core.rl_losses import PolicyLossParams
+from openpack.core.rl_losses import DEFAULT_CLIP, DEFAULT_IS_THRESHOLD, PolicyLossParams
+from openpack.core.schedule import Batching
+from openpack.trainers.batching import batching
 
 
 @dataclass
 class RLSettings:
-    """What the step needs of the RL flags (``cli/train_ppo.py`` holds them with their help)."""
+    """What the step needs of the RL and train flags."""
 
     n_samples_per_prompt: int
     advantage_estimator: str
@@ -19,6 +22,14 @@ class RLSettings:
     policy: PolicyLossParams
     kl_coef: float  # --init_kl_coef
     use_kl_loss: bool
+    # how a rollout batch is trained (--train_batch_size completions a step, --max_epochs passes, packed rows)
+    seed: int = 42
+    batching: Batching = field(default_factory=Batching)  # the update's micro-batches (trainers/batching.py)
+    packing_samples: bool = False
+    prefix_sharing: bool = False
+    max_tokens_per_gpu: int | None = None  # the row cap of scoring passes and shared units
+    train_batch_size: int = 1
+    max_epochs: int = 1
     gamma: float = 1.0
     updates_per_rollout: int = 1  # optimizer steps per rollout batch over all PPO epochs
     lambd: float = 1.0  # GAE
@@ -60,20 +71,38 @@ class RLSettings:
 
 
 def rl_settings(cfg) -> RLSettings:
-    """The step's settings from the run config's ``rollout``, ``rl`` and ``train`` sections."""
+    """The step's settings from the run config's ``rollout``, ``rl``, ``train`` (and ``agent``) sections."""
     rollout_cfg, rl_cfg, train_cfg = cfg.rollout, cfg.rl, cfg.train
-    low, high = rl_cfg.eps_clip_low_high or [rl_cfg.eps_clip, rl_cfg.eps_clip]
+    loss_type = rl_cfg.policy_loss_type or "ppo"
+    low, high = rl_cfg.eps_clip_low_high or DEFAULT_CLIP.get(loss_type, (rl_cfg.eps_clip, rl_cfg.eps_clip))
+    correction = rl_cfg.is_correction_type
+    correction_low, correction_high = rl_cfg.is_correction_threshold or DEFAULT_IS_THRESHOLD
+    if rl_cfg.vllm_is_correction_cap:  # its alias: token TIS below the cap
+        correction, correction_low, correction_high = "tis", 0.0, rl_cfg.vllm_is_correction_cap
     policy = PolicyLossParams(eps_low=low, eps_high=high, kl_coef=rl_cfg.init_kl_coef if rl_cfg.use_kl_loss else 0.0,
-                              kl_estimator=rl_cfg.kl_estimator, tis_cap=rl_cfg.vllm_is_correction_cap)
-    return RLSettings(rollout_cfg.n_samples_per_prompt, rl_cfg.advantage_estimator, rl_cfg.loss_agg_mode,
-                      rollout_cfg.generate_max_len, policy, rl_cfg.init_kl_coef, rl_cfg.use_kl_loss, rl_cfg.gamma,
-                      updates_per_rollout(rollout_cfg, train_cfg), rl_cfg.lambd, rl_cfg.value_clip,
-                      rl_cfg.freezing_actor_steps, rl_cfg.overlong_buffer_len, rl_cfg.overlong_penalty_factor,
-                      tuple(rl_cfg.reward_clip_range) if rl_cfg.reward_clip_range else None, rl_cfg.dynamic_filtering,
-                      tuple(rl_cfg.dynamic_filtering_reward_range) if rl_cfg.dynamic_filtering_reward_range else None,
-                      rl_cfg.dynamic_filtering_max_empty_steps or RLSettings.dynamic_filtering_max_empty_steps,
-                      async_staleness=async_staleness(rollout_cfg),
-                      per_turn_reward=bool(getattr(cfg, "agent", None) and cfg.agent.per_turn_reward))
+                              kl_estimator=rl_cfg.kl_estimator, loss_type=loss_type, dual_clip=rl_cfg.dual_clip,
+                              entropy_coef=rl_cfg.entropy_coef, correction=correction,
+                              correction_low=correction_low, correction_high=correction_high)
+    return RLSettings(
+        n_samples_per_prompt=rollout_cfg.n_samples_per_prompt, advantage_estimator=rl_cfg.advantage_estimator,
+        loss_agg_mode=rl_cfg.loss_agg_mode, generate_max_len=rollout_cfg.generate_max_len, policy=policy,
+        kl_coef=rl_cfg.init_kl_coef, use_kl_loss=rl_cfg.use_kl_loss,
+        seed=train_cfg.seed, batching=batching(train_cfg), packing_samples=train_cfg.packing_samples,
+        prefix_sharing=train_cfg.prefix_sharing, max_tokens_per_gpu=train_cfg.max_tokens_per_gpu,
+        train_batch_size=train_cfg.train_batch_size, max_epochs=train_cfg.max_epochs,
+        gamma=rl_cfg.gamma, updates_per_rollout=updates_per_rollout(rollout_cfg, train_cfg), lambd=rl_cfg.lambd,
+        value_clip=rl_cfg.value_clip, freezing_actor_steps=rl_cfg.freezing_actor_steps,
+        overlong_buffer_len=rl_cfg.overlong_buffer_len, overlong_penalty_factor=rl_cfg.overlong_penalty_factor,
+        reward_clip_range=_pair(rl_cfg.reward_clip_range), dynamic_filtering=rl_cfg.dynamic_filtering,
+        dynamic_filtering_reward_range=_pair(rl_cfg.dynamic_filtering_reward_range),
+        dynamic_filtering_max_empty_steps=(rl_cfg.dynamic_filtering_max_empty_steps
+                                           or RLSettings.dynamic_filtering_max_empty_steps),
+        async_staleness=async_staleness(rollout_cfg),
+        per_turn_reward=bool(getattr(cfg, "agent", None) and cfg.agent.per_turn_reward))
+
+
+def _pair(values: list[float] | None) -> tuple[float, float] | None:
+    return tuple(values) if values else None
 
 
 def updates_per_rollout(rollout_cfg, train_cfg) -> int:

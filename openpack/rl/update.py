@@ -1,129 +1,172 @@
-"""How an RL step updates: the rollout batch packed into optimizer steps by the planner every trainer uses, then
-the policy's clipped loss (and the critic's value loss) weighed per token over each step's totals.
+"""How an RL step updates (``train_on``): the rollout batch's completions packed into optimizer steps by the planner
+every trainer uses, then, step by step, the critic's value loss and the policy's clipped loss, each weighed per
+token over the step's totals; one host sync reads every step's metrics together.
 
-``train_on`` is the whole of it for one rollout batch: experience (``experience.py``), the planned steps, and
-one host sync for every step's metrics together.
+Each step's loop is written out as in ``trainers/sft.py``: per micro-batch a forward, the loss, a backward (times
+the world size: DeepSpeed's mean over ranks undone), statistics added on the device by name, and the optimizer
+step at the last micro-batch. Nothing is read to the host inside a step (``tests/integration/test_step_syncs.py``).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import replace
 
 import torch
 
-from openpack.core.advantages import kl
 from openpack.core.rl_losses import policy_terms, token_weights, value_terms
-from openpack.core.schedule import Batching, RankStep, plan_run, plan_step
+from openpack.core.schedule import RankStep, plan_run, plan_step
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo
-from openpack.rl.episodes import Rollouts, Units
-from openpack.rl.experience import (StepParts, advantages, in_batch_order, response_segment_ids, response_values,
-                                    score_share)
+from openpack.rl.experience import Experience, in_batch_order, response_segment_ids, response_values
 from openpack.rl.settings import RLSettings
-from openpack.trainers.batching import MicroBatcher
-from openpack.trainers.metrics import DeviceSums, StepMetrics, read_together
+from openpack.trainers.metrics import DeviceSums, StepMetrics, maximum_over_ranks, read_together
 from openpack.trainers.router_aux import RouterAux
 
+POLICY_SUMS = ("loss", "clipped", "tis_clipped", "entropy", "mismatch", "kl", "tokens")
+CORRECTION_SUMS = ("masked_tokens", "masked_sequences", "sequences", "ratio")  # with --is_correction_type
+CRITIC_SUMS = ("loss", "clipped", "values", "tokens")
 
-def accumulated_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo, loss_and_stats,
-                     names: tuple[str, ...], finish, norm_name: str = "grad_norm") -> StepMetrics:
-    """One optimizer step of ``engine`` over ``step.micro_batches`` (sample ids; a rollout sample is one segment):
-    ``loss_and_stats(batch, ids)`` gives the micro-batch's share of the step's loss and one number per ``names``
-    after ``loss``, summed on the device; each share is backpropagated (DeepSpeed's mean over ranks undone by the
-    world size, as in SFT) and the optimizer steps at the last; an MoE policy adds its router load-balancing loss
-    (``trainers/router_aux.py``; the critic never does). Returns the step's metrics, unread: ``finish`` of the sums
-    over every rank, and the grad norm as ``norm_name`` (``trainers/metrics.py``); nothing here waits for the
-    device."""
-    router_aux = RouterAux(engine, step.real_tokens)
-    sums, grad_norm = DeviceSums(("loss", *names, *router_aux.names), dist.device), 0.0
-    batches = batcher.collate(step.micro_batches)
-    for index, (batch, ids) in enumerate(zip(batches, step.micro_batches)):
-        last = index == len(batches) - 1
+
+def train_on(experience: Experience, engine, critic, settings: RLSettings, dist: DistInfo, seed: int,
+             train_actor: bool = True) -> tuple[dict, int]:
+    """Every optimizer step of one rollout batch: the critic's (``critic``: its engine, under GAE), then the
+    policy's, step by step; ``train_actor`` False trains only the critic (``--freezing_actor_steps``). Returns the
+    metrics, each averaged over the steps, and the real tokens the steps trained over every rank."""
+    steps = plan_updates(experience, settings, dist.world_size, seed)[dist.rank]
+    pending = []
+    for step in steps:
+        if critic is not None:
+            critic.train()
+            pending.append(critic_step(critic, experience, step, settings, dist))
+        if train_actor:
+            engine.train()
+            pending.append(policy_step(engine, experience, step, settings, dist))
+    read = read_together(pending)  # the update's one host sync (and all-reduce) per rollout batch
+    metrics = {key: _over_steps(key, [r[key] for r in read if key in r]) for key in dict.fromkeys(k for r in read
+                                                                                                 for k in r)}
+    metrics.update(loss=metrics.get("policy_loss", metrics.get("critic_loss")), optimizer_steps=len(steps),
+                   **_sharing_metrics(experience, steps))
+    return metrics, sum(s.real_tokens for s in steps)  # every rank plans every rank's tokens
+
+
+def policy_step(engine, experience: Experience, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:
+    """One optimizer step of the policy over this rank's planned micro-batches; its loss is ``sum_t w_t loss_t``
+    (``core/rl_losses.py``), ``w_t`` from the step's totals over every rank (``step.label_tokens``: its completion
+    tokens; ``step.samples``: its completions), so each micro-batch's part needs no communication. An MoE policy
+    adds its router load-balancing loss (``trainers/router_aux.py``)."""
+    router_aux, correcting = RouterAux(engine, step.real_tokens), settings.policy.correction is not None
+    sums = DeviceSums(POLICY_SUMS + (CORRECTION_SUMS if correcting else ()) + router_aux.names, dist.device)
+    grad_norm, ratio_max = 0.0, torch.zeros((), device=dist.device)
+    micro_batches = experience.batcher.collate(step.micro_batches)
+    for index, (host_batch, units) in enumerate(zip(micro_batches, step.micro_batches)):
+        last = index == len(micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
-        loss, numbers = loss_and_stats(batch.to(dist.device), ids)
-        aux_loss, aux_sums = router_aux.term(batch.num_tokens)  # the host batch: no device sync
-        engine.backward((loss + aux_loss) * dist.world_size)
-        if last:
-            grad_norm = optimizer_step(engine)
-            grad_norm = grad_norm.clone() if isinstance(grad_norm, torch.Tensor) else grad_norm  # next step's own
-        else:
-            engine.step()
-        sums.add(loss, *numbers, *aux_sums)
-    return StepMetrics(sums, lambda totals: {**finish(totals), **router_aux.metrics(totals)}, {norm_name: grad_norm})
-
-
-def update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:
-    """One optimizer step over this rank's planned micro-batches; the loss is ``sum_t w_t loss_t`` over the step.
-
-    ``w_t`` comes from the step's totals over every rank (``step.label_tokens``: its completion tokens;
-    ``step.samples``: its completions), so each micro-batch's part needs no communication.
-    """
-    def loss_and_stats(batch, ids):
-        ids = parts.units.completions(ids)
+        batch, ids = host_batch.to(dist.device), experience.units.completions(units)
         entropy = torch.empty(batch.labels.numel(), device=dist.device)
-        logp = response_values(batch, parts.engine(batch, entropy=entropy))
+        logp = response_values(batch, engine(batch, entropy=entropy))
         entropy = response_values(batch, entropy)
-        old = in_batch_order(ids, parts.old, dist.device) if parts.old is not None else logp.detach()
-        ref = in_batch_order(ids, parts.ref, dist.device) if settings.use_kl_loss else None
-        behaviour = in_batch_order(ids, parts.behaviour, dist.device)
-        terms = policy_terms(logp, old, in_batch_order(ids, parts.advantages, dist.device), settings.policy,
-                             ref_logp=ref, behaviour_logp=behaviour if settings.policy.tis_cap else None)
-        segment_ids = response_segment_ids(ids, parts.lengths, dist.device)
+        old = in_batch_order(ids, experience.old, dist.device) if experience.old is not None else logp.detach()
+        ref = in_batch_order(ids, experience.ref, dist.device) if settings.use_kl_loss else None
+        behaviour = in_batch_order(ids, experience.behaviour, dist.device)
+        segment_ids = response_segment_ids(ids, experience.lengths, dist.device)
+        terms = policy_terms(logp, old, in_batch_order(ids, experience.advantages, dist.device), settings.policy,
+                             ref_logp=ref, behaviour_logp=behaviour if correcting else None,
+                             segment_ids=segment_ids, entropy=entropy)
         weights = token_weights(segment_ids, settings.loss_agg_mode, step.label_tokens[0], step.samples,
                                 settings.generate_max_len)
-        return (terms.loss * weights).sum(), [terms.clipped.sum(), terms.tis_clipped.sum(), entropy.detach().sum(),
-                                              (old - behaviour).abs().sum(), terms.kl.sum(), logp.numel()]
+        loss = (terms.loss * weights).sum()
+        aux_loss, aux_sums = router_aux.term(host_batch.num_tokens)  # the host batch: no device sync
+        engine.backward((loss + aux_loss) * dist.world_size)
+        grad_norm = _boundary_step(engine, last, grad_norm)
+        corrections = _correction_sums(terms, segment_ids, len(ids)) if correcting else {}
+        if correcting:
+            ratio_max = torch.maximum(ratio_max, terms.is_ratio.max())
+        sums.add(loss=loss, clipped=terms.clipped.sum(), tis_clipped=terms.tis_clipped.sum(),
+                 entropy=entropy.detach().sum(), mismatch=(old - behaviour).abs().sum(), kl=terms.kl.sum(),
+                 tokens=logp.numel(), **corrections, **aux_sums)
 
-    def finish(sums):
-        tokens = max(sums["tokens"], 1)
-        return {"policy_loss": sums["loss"], "clip_ratio": sums["clipped"] / tokens,
-                "tis_clip_ratio": sums["tis_clipped"] / tokens, "entropy": sums["entropy"] / tokens,
-                "vllm_logp_diff": sums["mismatch"] / tokens,
-                **({"kl_loss": sums["kl"] / tokens} if settings.use_kl_loss else {})}
+    def metrics(totals: dict[str, float]) -> dict:
+        tokens = max(totals["tokens"], 1)
+        return {"policy_loss": totals["loss"], "clip_ratio": totals["clipped"] / tokens,
+                "tis_clip_ratio": totals["tis_clipped"] / tokens, "entropy": totals["entropy"] / tokens,
+                "vllm_logp_diff": totals["mismatch"] / tokens,
+                **({"kl_loss": totals["kl"] / tokens} if settings.use_kl_loss else {}), **router_aux.metrics(totals),
+                **({"is_correction/masked_tokens": totals["masked_tokens"] / tokens,
+                    "is_correction/masked_sequences": totals["masked_sequences"] / max(totals["sequences"], 1),
+                    "is_correction/ratio_mean": totals["ratio"] / tokens} if correcting else {})}
 
-    return accumulated_step(parts.engine, parts.batcher, step, dist, loss_and_stats,
-                            ("clipped", "tis_clipped", "entropy", "mismatch", "kl", "tokens"), finish)
+    values = {"grad_norm": grad_norm}
+    if correcting:  # a collective on the device, once per step: read with the sums
+        values["is_correction/ratio_max"] = maximum_over_ranks(ratio_max)
+    return StepMetrics(sums, metrics, values)
 
 
-def critic_update(parts: StepParts, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:
+def _correction_sums(terms, segment_ids: torch.Tensor, sequences: int) -> dict[str, torch.Tensor | int]:
+    """A micro-batch's rollout-correction counts: masked tokens, completions with a masked token, the ratios' sum."""
+    masked_per_sequence = torch.zeros(sequences, device=segment_ids.device).index_add_(0, segment_ids,
+                                                                                     terms.masked.float())
+    return {"masked_tokens": terms.masked.sum(), "masked_sequences": (masked_per_sequence > 0).sum(),
+            "sequences": sequences, "ratio": terms.is_ratio.sum()}
+
+
+def _over_steps(key: str, values: list[float]) -> float:
+    """A metric over a rollout batch's optimizer steps: the largest of a maximum, else the mean."""
+    return max(values) if key.endswith("_max") else sum(values) / len(values)
+
+
+def critic_step(critic, experience: Experience, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:
     """One optimizer step of the critic over the same planned micro-batches: the clipped value loss, weighed per
     token over the step's completion tokens (as OpenRLHF's critic averages over tokens)."""
-    def loss_and_stats(batch, ids):
-        ids = parts.units.completions(ids)
-        values = response_values(batch, parts.critic(batch))
-        terms = value_terms(values, in_batch_order(ids, parts.values, dist.device),
-                            in_batch_order(ids, parts.returns, dist.device), settings.value_clip)
-        return (terms.loss / step.label_tokens[0]).sum(), [terms.clipped.sum(), values.detach().sum(), values.numel()]
+    sums, grad_norm = DeviceSums(CRITIC_SUMS, dist.device), 0.0
+    micro_batches = experience.batcher.collate(step.micro_batches)
+    for index, (host_batch, units) in enumerate(zip(micro_batches, step.micro_batches)):
+        last = index == len(micro_batches) - 1
+        critic.set_gradient_accumulation_boundary(last)
+        batch, ids = host_batch.to(dist.device), experience.units.completions(units)
+        values = response_values(batch, critic(batch))
+        terms = value_terms(values, in_batch_order(ids, experience.values, dist.device),
+                            in_batch_order(ids, experience.returns, dist.device), settings.value_clip)
+        loss = (terms.loss / step.label_tokens[0]).sum()
+        critic.backward(loss * dist.world_size)
+        grad_norm = _boundary_step(critic, last, grad_norm)
+        sums.add(loss=loss, clipped=terms.clipped.sum(), values=values.detach().sum(), tokens=values.numel())
 
-    def finish(sums):
-        tokens = max(sums["tokens"], 1)
-        return {"critic_loss": sums["loss"], "value_clip_ratio": sums["clipped"] / tokens,
-                "values": sums["values"] / tokens}
+    def metrics(totals: dict[str, float]) -> dict:
+        tokens = max(totals["tokens"], 1)
+        return {"critic_loss": totals["loss"], "value_clip_ratio": totals["clipped"] / tokens,
+                "values": totals["values"] / tokens}
 
-    return accumulated_step(parts.critic, parts.batcher, step, dist, loss_and_stats,
-                            ("clipped", "values", "tokens"), finish, "critic_grad_norm")
+    return StepMetrics(sums, metrics, {"critic_grad_norm": grad_norm})
 
 
-def plan_updates(rollouts: Rollouts, units: Units, train_cfg, world_size: int, seed: int) -> list[list[RankStep]]:
+def _boundary_step(engine, last: bool, grad_norm):
+    """After a micro-batch's backward: the optimizer step at the step's last (its grad norm, unread, a copy of its
+    own since DeepSpeed reuses the tensor), else only DeepSpeed's micro-step count."""
+    if not last:
+        engine.step()
+        return grad_norm
+    norm = optimizer_step(engine)
+    return norm.clone() if isinstance(norm, torch.Tensor) else norm
+
+
+def plan_updates(experience: Experience, settings: RLSettings, world_size: int, seed: int) -> list[list[RankStep]]:
     """The optimizer steps over this rollout batch (``--train_batch_size`` completions each, ``--max_epochs`` passes),
     packed by the same planner as SFT and DPO: ``[rank][step]``. Under ``--prefix_sharing`` each step trains the
     same completions as without it, laid out in shared units (``_shared_steps``); micro-batches list unit ids."""
+    rollouts, units = experience.rollouts, experience.units
     lengths = rollouts.lengths()
-    labels = [(n,) for n in rollouts.response_lengths()]
-    batching = (Batching(max_tokens=train_cfg.max_tokens_per_gpu) if train_cfg.packing_samples
-                and train_cfg.use_dynamic_batch else Batching(micro_batch_size=train_cfg.micro_train_batch_size))
+    labels = [(n,) for n in experience.lengths]
     # a batch whose failed episodes were left out (rl/agents) may not split into --train_batch_size: its steps are
     # then the largest size that divides both, so every kept sample trains
-    train_batch_size = math.gcd(train_cfg.train_batch_size, len(lengths))
-    plan = plan_run(lengths, labels, world_size, batching, train_batch_size, train_cfg.max_epochs, None, seed)
+    train_batch_size = math.gcd(settings.train_batch_size, len(lengths))
+    plan = plan_run(lengths, labels, world_size, settings.batching, train_batch_size, settings.max_epochs, None, seed)
     if not units.shared:  # unit k is completion k: the plan's ids stand as they are
         return plan
-    return _shared_steps(plan, units, world_size, batching.max_tokens)
+    return _shared_steps(plan, units, world_size, settings.batching.max_tokens)
 
 
-def _shared_steps(plan: list[list[RankStep]], units: Units, world_size: int, max_tokens: int) -> list[list[RankStep]]:
+def _shared_steps(plan: list[list[RankStep]], units, world_size: int, max_tokens: int) -> list[list[RankStep]]:
     """Each planned step's completions (over every rank) laid out as shared units and packed again: the same
     samples, label counts and digest, fewer tokens."""
     ranks: list[list[RankStep]] = [[] for _ in range(world_size)]
@@ -138,50 +181,14 @@ def _shared_steps(plan: list[list[RankStep]], units: Units, world_size: int, max
     return ranks
 
 
-def train_on(rollouts: Rollouts, engine, scorers: dict, settings: RLSettings, train_cfg, dist: DistInfo,
-             pad_token_id: int, seed: int, critic=None, train_actor: bool = True) -> tuple[dict, dict]:
-    """Experience (scoring, advantages) and every update of one rollout batch; returns (metrics, timings).
-    ``critic``: the critic's engine (GAE; also in ``scorers`` as ``values``); ``train_actor`` False: only the
-    critic learns (``--freezing_actor_steps``)."""
-    start = time.perf_counter()
-    units = Units(rollouts, train_cfg.prefix_sharing, settings.n_samples_per_prompt, train_cfg.max_tokens_per_gpu)
-    scored = score_share(units, scorers, train_cfg.max_tokens_per_gpu, dist)
-    old, ref, values = scored.get("old"), scored.get("ref"), scored.get("values")
-    per_token, returns = advantages(rollouts, settings, old, ref, values)
-    lengths = rollouts.response_lengths()
-    parts = StepParts(engine, MicroBatcher(units.segments, train_cfg.packing_samples, pad_token_id), units, lengths,
-                      per_token, [torch.tensor(b) for b in rollouts.behaviour], old, ref, critic, values, returns)
-    experience_s = time.perf_counter() - start
-    start = time.perf_counter()
-    steps = plan_updates(rollouts, units, train_cfg, dist.world_size, seed)[dist.rank]
-    pending = []
-    for step in steps:
-        if critic is not None:
-            critic.train()
-            pending.append(critic_update(parts, step, settings, dist))
-        if train_actor:
-            engine.train()
-            pending.append(update(parts, step, settings, dist))
-    read = read_together(pending)  # the update loop's one host sync (and all-reduce) per rollout batch
-    per_step = len(read) // len(steps)  # critic and/or policy
-    results = [{k: v for part in read[i:i + per_step] for k, v in part.items()} for i in range(0, len(read), per_step)]
-    training_s = time.perf_counter() - start
-    flat = torch.cat(per_token)
-    metrics = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
-    tokens_per_s = sum(s.real_tokens for s in steps) / training_s  # every rank plans every rank's tokens
-    metrics.update({"loss": metrics.get("policy_loss", metrics.get("critic_loss")), "tokens_per_s": tokens_per_s,
-                    "training_tokens_per_s": tokens_per_s,
-                    "advantages/mean": flat.mean().item(), "advantages/std": flat.std().item() if flat.numel() > 1
-                    else 0.0, "optimizer_steps": len(steps)})
-    if returns is not None:
-        metrics["returns"] = torch.cat(returns).mean().item()
-    if units.shared:  # this rank's tokens in the shared layout, against prompt + completion for each completion
-        mine = [u for step in steps for mb in step.micro_batches for u in mb]
-        every = rollouts.lengths()
-        unshared = sum(every[k][0] for k in units.completions(mine))
-        metrics["prefix_sharing/token_ratio"] = sum(sum(units.lengths[u]) for u in mine) / max(unshared, 1)
-        metrics["prefix_sharing/split_groups"] = float(units.split_groups)
-    if ref is not None and old is not None:
-        metrics["kl"] = torch.cat([kl(old[k], ref[k], settings.policy.kl_estimator)
-                                   for k in range(len(lengths))]).mean().item()
-    return metrics, {"time/experience": experience_s, "time/training": training_s}
+def _sharing_metrics(experience: Experience, steps: list[RankStep]) -> dict:
+    """Under --prefix_sharing: this rank's tokens in the shared layout against prompt + completion for each
+    completion, and how many groups were split at the row cap."""
+    units = experience.units
+    if not units.shared:
+        return {}
+    mine = [u for step in steps for mb in step.micro_batches for u in mb]
+    every = experience.rollouts.lengths()
+    unshared = sum(every[k][0] for k in units.completions(mine))
+    return {"prefix_sharing/token_ratio": sum(sum(units.lengths[u]) for u in mine) / max(unshared, 1),
+            "prefix_sharing/split_groups": float(units.split_groups)}

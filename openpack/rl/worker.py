@@ -25,7 +25,6 @@ from dataclasses import replace
 
 from openpack.core.advantages import kl_controller
 from openpack.core.packing import shuffled_epoch
-from openpack.core.schedule import RankPlan, RankStep
 from openpack.data.loading import DataError, load_rows
 from openpack.data.prompts import Prompt, tokenize_prompts
 from openpack.distributed.checkpoint import save_hf_model
@@ -34,9 +33,10 @@ from openpack.models.lora import apply_lora, is_lora
 from openpack.rl.colocation import Colocation
 from openpack.rl.generation import Generator, make_generator
 from openpack.rl.pipeline import RolloutPipeline
-from openpack.rl.rewards import reward_source
+from openpack.rl.experience import Scorers
+from openpack.rl.rewards import EpisodeRewards, SourceRewards, reward_source
 from openpack.rl.settings import rl_settings
-from openpack.rl.step import EmptySteps, RLLoop, push_weights, rl_step
+from openpack.rl.step import EmptySteps, RLLoop, RolloutBatch, gathered, rl_step, send_weights
 from openpack.trainers import demo, reference
 from openpack.trainers.run import TrainingRun, start_worker
 from openpack.trainers.tracking import MetricLimit
@@ -137,14 +137,13 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
     schedule = rollout_schedule(len(prompts), rollout_cfg.rollout_batch_size, rollout_cfg.num_episodes,
                                 train_cfg.seed, train_cfg.max_steps)
     settings = rl_settings(cfg)
-    rank_plan = RankPlan([_planned(i, ids, train_cfg.seed, rollout_cfg) for i, ids in enumerate(schedule)], [],
-                         "", datasets)
+    batches = [_planned(i, ids, train_cfg.seed, rollout_cfg) for i, ids in enumerate(schedule)]
     optimizer_steps = len(schedule) * settings.updates_per_rollout
     critic = critic_engine(cfg, pretrain, tokenizer, dist, optimizer_steps) \
         if settings.critic else None
     kl_ctl = kl_controller(rl_cfg.init_kl_coef, rl_cfg.target_kl, rl_cfg.kl_horizon)
     empty = EmptySteps()
-    run = TrainingRun(model, tokenizer, rank_plan, cfg, dist, save_config,
+    run = TrainingRun(model, tokenizer, batches, cfg, dist, save_config,
                       optimizer_steps=optimizer_steps, companions={"critic": critic} if critic else None,
                       extra_state=lambda: {"kl_controller": kl_ctl.state_dict(), "empty_steps": empty.in_a_row})
     if not settings.async_staleness:  # asynchronous, the difference also measures staleness (docs/rl.md)
@@ -152,17 +151,8 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
     if "kl_controller" in run.resumed_state:
         kl_ctl.load_state_dict(run.resumed_state["kl_controller"])
     empty.in_a_row = run.resumed_state.get("empty_steps", 0)  # a resumed run stops where the uninterrupted one would
-    scorers = {}
-    if settings.needs_old_pass:
-        scorers["old"] = run.engine
-    if critic is not None:
-        scorers["values"] = critic
-    if settings.needs_reference and reference_group is not None:
-        scorers["ref"] = reference_group.scorer(dist.rank)
-    elif settings.needs_reference and is_lora(model) and not rl_cfg.ref_pretrain:
-        scorers["ref"] = reference.AdapterReference(run.engine, model, dist.device)  # LoRA: the base, adapters off
-    elif settings.needs_reference:
-        scorers["ref"] = build_rl_reference(cfg, pretrain, dist)
+    scorers = Scorers(old=run.engine if settings.needs_old_pass else None, values=critic,
+                      ref=rl_reference(cfg, settings, run, model, pretrain, dist, reference_group))
     backend = resolved_backend(rollout_cfg)
     if dist.is_main:
         logger.info("rollouts: %s%s", backend, " (auto: vLLM imports)" if rollout_cfg.rollout_backend == "auto"
@@ -172,16 +162,19 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
                                dist, engine_group, model_cfg.bf16, run.save_path)
     sync = _weight_sync(backend, rollout_cfg, generator, run.engine.module, dist)
     if cfg.agent.enabled:  # multi-turn episodes: their environments give the rewards
-        generator, reward = agent_generator(cfg, generator, tokenizer), None
+        generator, rewards = agent_generator(cfg, generator, tokenizer), EpisodeRewards()
     else:
-        reward = reward_source(rl_cfg, data_cfg, demo_model is not None, reward_scorers(cfg, dist, reward_groups))
+        rewards = SourceRewards(reward_source(rl_cfg, data_cfg, demo_model is not None,
+                                              reward_scorers(cfg, dist, reward_groups)),
+                                tokenizer, settings.n_samples_per_prompt)
     pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train)
     colocation = Colocation(generator.engines, [run.engine, critic], functools.partial(
-        push_weights, sync, run.engine, model_cfg.zero_stage, dist), dist.is_main) if rollout_cfg.colocate_all_models else None
+        send_weights, sync, run.engine, dist), dist.is_main) if rollout_cfg.colocate_all_models else None
     if sync is not None and colocation is None and run.position.global_step:  # resumed: the engines still hold
-        push_weights(sync, run.engine, model_cfg.zero_stage, dist)  # the starting weights (colocated: pushed at each wake)
-    loop = RLLoop(run, pipeline, sync, reward, scorers, settings, prompts, schedule, model_cfg, train_cfg,
-                  tokenizer, dist, critic, kl_ctl, colocation, empty)
+        send_weights(sync, run.engine, dist)  # the starting weights (colocated: pushed at each wake)
+    loop = RLLoop(run=run, pipeline=pipeline, rewards=rewards, scorers=scorers, settings=settings, prompts=prompts,
+                  dist=dist, pad_token_id=tokenizer.pad_token_id or 0, sync=sync, critic=critic, kl_ctl=kl_ctl,
+                  colocation=colocation, empty_steps=empty)
     step = functools.partial(rl_step, loop)
     held_out = load_prompts(data_cfg, tokenizer, train_cfg.seed, [cfg.agent.eval_prompt_data]) \
         if cfg.agent.eval_prompt_data else None
@@ -202,11 +195,9 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
 def _report_held_out(loop: RLLoop, prompts: list[Prompt], when: str) -> None:
     """--eval_prompt_data: greedy episodes of the policy on the held-out prompts, every rank alike (the whole
     policy gathered under ZeRO-3), reported by rank 0."""
-    from openpack.rl.step import _gathered
-
     run = loop.run
     run.engine.eval()
-    with _gathered(run.engine, loop.model_cfg.zero_stage, True):
+    with gathered(loop, needed=True):
         rates = loop.pipeline.generator.evaluate(run.engine.module.model, prompts)
     run.tracker.message(f"held-out {when} training: success {rates['eval_success']:.1%} of {len(prompts)} "
                         f"episodes (greedy), {rates['eval_turns']:.2f} turns each")
@@ -260,6 +251,18 @@ def logp_diff_limit(bf16: bool) -> MetricLimit:
                        "dtype); see docs/rl.md, 'Weight sync and the vLLM mismatch'")
 
 
+def rl_reference(cfg, settings, run: TrainingRun, model, pretrain: str, dist, reference_group):
+    """What scores the reference log-probs where a KL term needs them: the driver's reference actor (Ray), the
+    LoRA policy with its adapters off, or a reference model on this rank; None without a KL term."""
+    if not settings.needs_reference:
+        return None
+    if reference_group is not None:
+        return reference_group.scorer(dist.rank)
+    if is_lora(model) and not cfg.rl.ref_pretrain:
+        return reference.AdapterReference(run.engine, model, dist.device)  # LoRA: the base, adapters off
+    return build_rl_reference(cfg, pretrain, dist)
+
+
 def build_rl_reference(cfg, pretrain: str, dist=None):
     """The frozen reference model scoring per-token log-probs (``ref(batch)``): a rank's own DeepSpeed engine, or
     (``dist`` None) the model of a Ray reference actor, which starts its own process group first."""
@@ -306,11 +309,10 @@ def reward_scorers(cfg, dist, reward_groups) -> list | None:
             for path in rl_cfg.reward_pretrain]
 
 
-def _planned(index: int, prompt_ids: list[int], seed: int, rollout_cfg) -> RankStep:
-    """A rollout batch as a planned step of ``TrainingRun``: only its place and digest matter there."""
+def _planned(index: int, prompt_ids: list[int], seed: int, rollout_cfg) -> RolloutBatch:
+    """A rollout batch as a planned step of ``TrainingRun``, its digest naming the seed, n and its prompts."""
     key = f"{seed}/{rollout_cfg.n_samples_per_prompt}/{prompt_ids}"
-    return RankStep(0, index, [], len(prompt_ids) * rollout_cfg.n_samples_per_prompt, 0, (0,), 0, None,
-                    hashlib.sha256(key.encode()).hexdigest()[:16])
+    return RolloutBatch(index, list(prompt_ids), hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
 def _weight_sync(backend: str, rollout_cfg, generator: Generator, policy, dist):

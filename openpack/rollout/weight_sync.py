@@ -118,6 +118,10 @@ class WeightSync(Protocol):
         """Send ``weights`` (rank 0) or only iterate them (other ranks); returns the seconds it took."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """Numbers of the last push beyond its time."""
+        ...
+
 
 class InHostSync:
     """Buckets through ``EngineGroup.update_weights`` (host memory, Ray's object store across machines)."""
@@ -138,6 +142,11 @@ class InHostSync:
             for _ in weights:  # the ZeRO-3 gathers are collective: take part, send nothing
                 pass
         return time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """What the last push put into Ray's object store (engines that are Ray actors; nothing in-process)."""
+        pushed = self.object_store_bytes
+        return {} if pushed is None else {"weight_sync/object_store_mb": pushed / 2**20}
 
 
 def nccl_rank_offsets(workers_per_engine: list[int]) -> tuple[list[int], int]:
@@ -206,6 +215,10 @@ class NcclSync:
             torch.cuda.current_stream().synchronize()
             self.engines.wait(refs)
         return time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """Nothing beyond the push's time: NCCL moves the weights device to device."""
+        return {}
 
 
 def require_cuda_for_nccl() -> None:

@@ -110,7 +110,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> str:
 def prepare(seed: int) -> tuple[dict[str, str], list[str] | None]:
     """The demo's files, built once per recipe and seed (cached like the other demos): the SFT model, the RL and
     held-out prompts, and the tools file; and, while the SFT model is missing, the ``openpack train_sft`` arguments
-    that train it (the command runs them: ``cli/train_ppo.with_agent_demo``)."""
+    that train it (the command runs them: ``config/commands.with_agent_demo``)."""
     from openpack.models.loading import quiet_progress_bars
     from openpack.models.tiny import tiny_causal_lm
 

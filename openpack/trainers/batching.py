@@ -22,11 +22,31 @@ from dataclasses import dataclass
 
 import torch
 
-from openpack.core.batch import Segment, collate_packed, collate_padded
+from openpack.core.batch import PackedBatch, Segment, collate_packed, collate_padded
+from openpack.core.context_parallel import shard_batch, split_row
 from openpack.core.schedule import Batching, RankStep, plan_scoring
 from openpack.trainers.metrics import DeviceSums, StepMetrics
 
 logger = logging.getLogger("openpack")
+
+
+@dataclass(frozen=True)
+class ContextPlace:
+    """This rank's place in its context group (``--ring_attn_size``): it trains its ``rank``'s part of each row
+    that the group's ``size`` ranks share (``core.context_parallel``)."""
+
+    size: int = 1
+    rank: int = 0
+
+    def part(self, batch: PackedBatch) -> PackedBatch:
+        if self.size == 1:
+            return batch
+        return shard_batch(batch, split_row(batch.cu_seqlens, self.size)[self.rank])
+
+
+def context_parallel_size(train_cfg) -> int:
+    """--ring_attn_size: 1 where it is unset (None), and in the commands without the flag (all but train_sft)."""
+    return getattr(train_cfg, "ring_attn_size", None) or 1
 
 
 @dataclass
@@ -36,13 +56,14 @@ class MicroBatcher:
     segments: Callable[[int], list[Segment]]
     packing_samples: bool
     pad_token_id: int = 0
+    context: ContextPlace = ContextPlace()
 
     def collate(self, micro_batches: list[list[int]]) -> list:
         batches = []
         for sample_ids in micro_batches:
             segments = [seg for i in sample_ids for seg in self.segments(i)]
             if self.packing_samples:
-                batches.append(collate_packed(segments))
+                batches.append(self.context.part(collate_packed(segments)))
             else:
                 batches.append(collate_padded(segments, self.pad_token_id))
         return batches
@@ -56,9 +77,10 @@ def scoring_batches(pairs: list, max_tokens: int, dist) -> list:
 
 
 def batching(train_cfg) -> Batching:
-    """Token-capped packs under --packing_samples --use_dynamic_batch, else --micro_train_batch_size samples."""
+    """Token-capped packs under --packing_samples --use_dynamic_batch, else --micro_train_batch_size samples.
+    A row shared by a context group of N ranks holds up to N x --max_tokens_per_gpu tokens."""
     if train_cfg.packing_samples and train_cfg.use_dynamic_batch:
-        return Batching(max_tokens=train_cfg.max_tokens_per_gpu)
+        return Batching(max_tokens=train_cfg.max_tokens_per_gpu * context_parallel_size(train_cfg))
     return Batching(micro_batch_size=train_cfg.micro_train_batch_size)
 
 

@@ -64,11 +64,13 @@ class PairTable:
 
 
 @torch.no_grad()
-def pair_stats(logps: PairLogps, losses: torch.Tensor, beta: float) -> list[torch.Tensor]:
+def pair_stats(logps: PairLogps, losses: torch.Tensor, beta: float) -> dict[str, torch.Tensor]:
     """Sums over the micro-batch's pairs of each STATS entry, on the device (means are taken over the whole step)."""
     reward_chosen, reward_rejected = implicit_rewards(logps, beta)
-    return [losses.sum(), reward_chosen.sum(), reward_rejected.sum(), (reward_chosen - reward_rejected).sum(),
-            (reward_chosen > reward_rejected).float().sum(), logps.chosen.sum(), logps.rejected.sum()]
+    return {"loss": losses.sum(), "rewards/chosen": reward_chosen.sum(), "rewards/rejected": reward_rejected.sum(),
+            "rewards/margins": (reward_chosen - reward_rejected).sum(),
+            "rewards/accuracies": (reward_chosen > reward_rejected).float().sum(),
+            "logps/chosen": logps.chosen.sum(), "logps/rejected": logps.rejected.sum()}
 
 
 def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step: RankStep,
@@ -104,7 +106,7 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
         aux_loss, aux_sums = router_aux.term(tokens)  # after the policy's forward, not the reference's
         engine.backward(loss + aux_loss * dist.world_size)
         grad_norm = optimizer_step(engine) if last else engine.step()
-        sums.add(*pair_stats(logps, losses, objective.params.beta), *aux_sums)
+        sums.add(**pair_stats(logps, losses, objective.params.beta), **aux_sums)
     return step_metrics(step, engine, grad_norm, sums, lambda totals: {
         **{name: totals[name] / pairs for name in STATS}, "pairs": pairs, **router_aux.metrics(totals)},
         start, {"pairs_per_s": pairs})

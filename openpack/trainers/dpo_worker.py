@@ -77,7 +77,7 @@ def run_dpo(cfg, demo_model=None, save_config=None, reference_group=None, plan: 
     segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
-    run = TrainingRun(model, tokenizer, plan, cfg, dist, save_config)
+    run = TrainingRun(model, tokenizer, plan.steps, cfg, dist, save_config)
 
     loss_types, weights = dpo_cfg.losses()
     params = LossParams(beta=dpo_cfg.beta, label_smoothing=dpo_cfg.label_smoothing, simpo_gamma=dpo_cfg.simpo_gamma)

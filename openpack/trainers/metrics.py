@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -32,13 +33,15 @@ class DeviceSums:
         self.names = tuple(names)
         self.total = torch.zeros(len(self.names), dtype=torch.float64, device=device)
 
-    def add(self, *values: torch.Tensor | float) -> None:
-        """One micro-batch's numbers in ``names`` order (0-dim tensors or Python numbers); no host sync."""
+    def add(self, **values: torch.Tensor | float) -> None:
+        """One micro-batch's numbers, one for each of ``names`` (0-dim tensors or Python numbers); no host sync."""
+        if values.keys() != set(self.names):
+            raise ValueError(f"DeviceSums.add: got {sorted(values)}, expected {sorted(self.names)}")
         device = self.total.device
         self.total += torch.stack([
             v.detach().reshape(()).to(device, torch.float64) if isinstance(v, torch.Tensor)
             else torch.full((), float(v), dtype=torch.float64, device=device)  # made on the device: no copy
-            for v in values])
+            for v in (values[name] for name in self.names)])
 
 
 def summed_over_ranks(total: torch.Tensor) -> torch.Tensor:
@@ -47,6 +50,14 @@ def summed_over_ranks(total: torch.Tensor) -> torch.Tensor:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(total)
     return total
+
+
+def maximum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a device scalar) maximised over the process group's ranks, on the device (no host sync)."""
+    value = value.clone()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return value
 
 
 @dataclass
@@ -106,3 +117,39 @@ def read_together(metrics: list[StepMetrics]) -> list[dict]:
                 elapsed = now - m.start
                 m._read.update({name: count / elapsed for name, count in m.rates.items()}, step_time_s=elapsed)
     return [m._read for m in metrics]
+
+
+class Phases:
+    """The wall-clock time of a step's phases and the metrics they report, gathered for the step's one return.
+
+    ``with phases.time("generation"):`` adds its seconds to ``time/generation``; ``phases.add(metrics)`` adds a
+    phase's numbers; ``phases.per_second("generation", generation_tokens_per_s=n)`` logs n over that phase's time;
+    ``phases.metrics()`` is all of it, in the order added, with ``step_time_s`` since the step began. Only
+    online RL needs it: its step has several phases, where an offline step is one (``StepMetrics.rates``).
+    """
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.values: dict[str, float] = {}
+        self.rates: list[tuple[str, dict[str, float]]] = []
+
+    @contextmanager
+    def time(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{phase}"
+            self.values[key] = self.values.get(key, 0.0) + time.perf_counter() - start
+
+    def add(self, metrics: Mapping[str, float]) -> None:
+        self.values.update(metrics)
+
+    def per_second(self, phase: str, **counts: float) -> None:
+        self.rates.append((phase, counts))
+
+    def metrics(self, **last: float) -> dict[str, float]:
+        for phase, counts in self.rates:
+            seconds = max(self.values[f"time/{phase}"], 1e-9)
+            self.values.update({name: count / seconds for name, count in counts.items()})
+        return {**self.values, **last, "step_time_s": time.perf_counter() - self.start}

@@ -38,9 +38,10 @@ class RewardObjective:
 
 
 @torch.no_grad()
-def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor) -> list[torch.Tensor]:
+def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor) -> dict[str, torch.Tensor]:
     """Sums over the micro-batch's pairs of each STATS entry, on the device (means are taken over the whole step)."""
-    return [losses.sum(), (chosen > rejected).float().sum(), (chosen - rejected).sum(), chosen.sum(), rejected.sum()]
+    return {"loss": losses.sum(), "accuracy": (chosen > rejected).float().sum(), "margin": (chosen - rejected).sum(),
+            "rewards/chosen": chosen.sum(), "rewards/rejected": rejected.sum()}
 
 
 def rm_step(engine, batcher: MicroBatcher, objective: RewardObjective, step: RankStep,
@@ -62,7 +63,7 @@ def rm_step(engine, batcher: MicroBatcher, objective: RewardObjective, step: Ran
         losses = reward_pair_losses(chosen, rejected, objective.loss, margin, objective.center_rewards_coefficient)
         engine.backward(losses.sum() * dist.world_size / pairs)
         grad_norm = optimizer_step(engine) if last else engine.step()
-        sums.add(*pair_stats(chosen, rejected, losses))
+        sums.add(**pair_stats(chosen, rejected, losses))
     return step_metrics(step, engine, grad_norm, sums,
                         lambda totals: {**{name: totals[name] / pairs for name in STATS}, "pairs": pairs},
                         start, {"pairs_per_s": pairs})

@@ -98,7 +98,7 @@ def run_rm(cfg, demo_model=None, save_config=None, plan: RankPlan | None = None)
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
     module = PackedRewardModel(model)
-    run = TrainingRun(model, tokenizer, plan, cfg, dist, save_config, module=module)
+    run = TrainingRun(model, tokenizer, plan.steps, cfg, dist, save_config, module=module)
     margins = None
     if rm_cfg.margin_key:
         ids = plan.sample_ids()

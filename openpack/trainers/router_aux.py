@@ -34,16 +34,16 @@ class RouterAux:
         self.step_tokens = step_tokens
         self.names = ("router_aux_loss",) if self.router is not None else ()
 
-    def term(self, tokens: int) -> tuple[torch.Tensor | float, list[torch.Tensor]]:
+    def term(self, tokens: int) -> tuple[torch.Tensor | float, dict[str, torch.Tensor]]:
         """After the forward of a micro-batch of ``tokens`` real tokens: (coef x its weighted aux loss, to add to its
-        loss; [its weighted aux loss], for the step's sums under ``names``). (0.0, []) for a dense model."""
+        loss; {name: its weighted aux loss}, for the step's sums). (0.0, {}) for a dense model."""
         if self.router is None:
-            return 0.0, []
+            return 0.0, {}
         aux, self.module.router_aux_loss = self.module.router_aux_loss, None
         if aux is None:
             raise RuntimeError("an MoE policy's forward left no router aux loss: it ran without gradients")
         share = aux * (tokens / self.step_tokens)
-        return self.router.coef * share, [share.detach()]
+        return self.router.coef * share, {"router_aux_loss": share.detach()}
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """The step's aux loss (its sums over every rank are the token-weighted mean), or nothing."""

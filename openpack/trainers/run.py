@@ -21,15 +21,16 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 import yaml
 
 from openpack.core.batch import Segment
-from openpack.core.schedule import RankPlan, RankStep, plan_run, plan_scoring
+from openpack.core.schedule import RankPlan, plan_run, plan_scoring
 from openpack.data.loading import DataError, Rows, load_rows
 from openpack.distributed.checkpoint import (RunState, check_resumable, decided_by_main, load_checkpoint,
                                              open_checkpoint, save_checkpoint, save_hf_model)
@@ -39,8 +40,21 @@ from openpack.distributed.save_path import checkpoint_dir, claim, resumes, tag_s
 from openpack.models.attention import set_attention_backend
 from openpack.models.memory import mark_memory
 from openpack.models.packed import PackedCausalLM
-from openpack.trainers.batching import batching
+from openpack.trainers.batching import batching, context_parallel_size
 from openpack.trainers.tracking import Tracker
+
+
+class PlannedStep(Protocol):
+    """What the run loop needs of a planned step: where it stands, and a digest of what it trains on (a resume
+    compares them). Offline trainers plan ``RankStep``s (``core/schedule.py``); online RL plans rollout batches
+    (``rl/step.py``)."""
+
+    epoch: int
+    index: int  # the step's place in its epoch
+    digest: str
+
+
+Step = TypeVar("Step", bound=PlannedStep)
 
 
 @dataclass
@@ -58,12 +72,16 @@ def plan_ranks(items: list, segments: Callable[[object, int], list[Segment]], da
 
     ``items`` are every tokenized sample (each with its ``row``); ``segments(item, i)`` makes sample i's
     segments. ``scoring`` adds each rank's share of one pass over every sample (the reference cache).
+    Under --ring_attn_size N the steps are planned for world / N data-parallel ranks, and ranks
+    r N .. r N + N - 1 (one context group) all get data-parallel rank r's micro-batches.
     """
     per_sample = [segments(item, i) for i, item in enumerate(items)]
     lengths = [tuple(len(seg.tokens) for seg in segs) for segs in per_sample]
     labels = [tuple(seg.num_labels for seg in segs) for segs in per_sample]
-    steps = plan_run(lengths, labels, world_size, batching(train_cfg), train_cfg.train_batch_size,
+    ring = context_parallel_size(train_cfg)
+    steps = plan_run(lengths, labels, world_size // ring, batching(train_cfg), train_cfg.train_batch_size,
                      train_cfg.max_epochs, train_cfg.max_steps, train_cfg.seed)
+    steps = [steps[rank // ring] for rank in range(world_size)]
     if not steps[0]:
         raise DataError(f"{len(items)} samples make no full step of --train_batch_size "
                         f"{train_cfg.train_batch_size}; lower --train_batch_size or add data")
@@ -83,7 +101,7 @@ def own_items(plan: RankPlan, rows: Rows, tokenize: Callable[[Rows], list]) -> d
     return dict(zip(ids, items))
 
 
-def run_steps(step: Callable[[RankStep], dict], steps: list[RankStep], logging_steps: int, save_steps: int | None,
+def run_steps(step: Callable[[Step], dict], steps: Sequence[Step], logging_steps: int, save_steps: int | None,
               tracker, save: Callable[[Position], None], start: Position | None = None) -> Position:
     """Run ``step(planned) -> metrics`` over the planned steps from ``start`` on.
 
@@ -106,7 +124,7 @@ def run_steps(step: Callable[[RankStep], dict], steps: list[RankStep], logging_s
 class TrainingRun:
     """One run of this rank's planned steps with the shared model, train and output sections of the run config."""
 
-    def __init__(self, model, tokenizer, plan: RankPlan, cfg, dist: DistInfo,
+    def __init__(self, model, tokenizer, steps: Sequence[PlannedStep], cfg, dist: DistInfo,
                  save_config: Callable[[Path], None] | None = None, module: torch.nn.Module | None = None,
                  optimizer_steps: int | None = None, companions: dict | None = None,
                  extra_state: Callable[[], dict] | None = None):
@@ -117,11 +135,10 @@ class TrainingRun:
         ``extra_state()`` adds to each checkpoint's client state (e.g. an adaptive KL coefficient), and a resume
         leaves the saved client state in ``self.resumed_state``."""
         model_cfg, train_cfg, out_cfg = cfg.model, cfg.train, cfg.output
-        self.tokenizer, self.dist, self.plan, self.out_cfg = tokenizer, dist, plan, out_cfg
+        self.tokenizer, self.dist, self.steps, self.out_cfg = tokenizer, dist, steps, out_cfg
         self.companions, self.extra_state, self.resumed_state = companions or {}, extra_state, {}
         self.save_path = Path(out_cfg.save_path)
-        steps = len(plan.steps)
-        self.engine = create_engine(module or PackedCausalLM(model), optim_config(train_cfg, optimizer_steps or steps),
+        self.engine = create_engine(module or PackedCausalLM(model), optim_config(train_cfg, optimizer_steps or len(steps)),
                                     zero_config(model_cfg, dist), dist.world_size)
         self.ckpt_path = checkpoint_dir(self.save_path, out_cfg.ckpt_path)
         self.notices: list[str] = []  # shown once the tracker (the console of rank 0) exists
@@ -142,7 +159,7 @@ class TrainingRun:
             raise
         if self.config is not None:
             os.replace(pending, self.save_path / "config.yaml")
-        self.tracker = Tracker(str(self.save_path), steps, enabled=dist.is_main, use_wandb=out_cfg.use_wandb,
+        self.tracker = Tracker(str(self.save_path), len(steps), enabled=dist.is_main, use_wandb=out_cfg.use_wandb,
                                wandb_project=out_cfg.wandb_project, wandb_run_name=out_cfg.wandb_run_name,
                                use_tensorboard=out_cfg.use_tensorboard, resume_step=self.position.global_step,
                                run_id=self.run_id)
@@ -158,7 +175,7 @@ class TrainingRun:
 
     def _state(self, steps_taken: int) -> RunState:
         return RunState(self.run_id, self.dist.world_size, self.config or {},
-                        [step.digest for step in self.plan.steps[:steps_taken]])
+                        [step.digest for step in self.steps[:steps_taken]])
 
     def _resume(self) -> Position:
         """Verify the checkpoint, refuse a resume that would not be exact, then load it (every rank)."""
@@ -168,7 +185,7 @@ class TrainingRun:
             return Position()
         folder, saved = found
         step = tag_step(folder.name)
-        changes = decided_by_main(lambda: check_resumable(folder, saved, self._state(len(self.plan.steps)), step))
+        changes = decided_by_main(lambda: check_resumable(folder, saved, self._state(len(self.steps)), step))
         state = load_checkpoint(self.engine, folder, self.companions)
         self.resumed_state = state
         position = Position(**{k: state[k] for k in ("epoch", "step_in_epoch", "global_step")})
@@ -184,11 +201,11 @@ class TrainingRun:
                         self.out_cfg.max_ckpt_num, self.dist.is_main, self._state(at.global_step), self.companions)
         mark_memory("checkpoint save")
 
-    def train(self, step: Callable[[RankStep], dict], before_save: Callable[[], None] | None = None) -> Position:
+    def train(self, step: Callable[[PlannedStep], dict], before_save: Callable[[], None] | None = None) -> Position:
         """Run the steps, then ``before_save()`` (e.g. a reward model's normalisation), then write the final model;
         returns where training ended."""
         self.engine.train()
-        self.position = run_steps(step, self.plan.steps, self.out_cfg.logging_steps, self.out_cfg.save_steps,
+        self.position = run_steps(step, self.steps, self.out_cfg.logging_steps, self.out_cfg.save_steps,
                                   self.tracker, self.save, self.position)
         if before_save is not None:
             before_save()

@@ -51,7 +51,7 @@ def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo, fu
             grad_norm = optimizer_step(engine)
         else:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
-        sums.add(nll, *aux_sums)
+        sums.add(nll=nll, **aux_sums)
     return step_metrics(step, engine, grad_norm, sums, lambda total: {
         "loss": total["nll"] / denominator, "loss_tokens": denominator, "samples": step.samples,
         **router_aux.metrics(total)}, start)

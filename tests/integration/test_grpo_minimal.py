@@ -31,7 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from openpack.cli import train_grpo, train_sft
+from openpack.cli import train_grpo
+from openpack.config.commands import demo_sft_model
+from openpack.config.sections import LaunchConfig
 from openpack.trainers import demo
 
 from saved_runs import read_metrics
@@ -58,7 +60,7 @@ REAL_ONLY = [  # what the minimal file does without a flag: one process, HF roll
 @pytest.fixture(scope="module")
 def demo_model():
     """The SFT demo model both sides start from (trained here when the session's cache has none)."""
-    return train_sft.demo_sft_model(train_sft.LaunchConfig(launcher="local"), 42)
+    return demo_sft_model(LaunchConfig(launcher="local"), 42)
 
 
 def close(a: float, b: float) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from openpack.cli import train_dpo, train_sft
+from openpack.config import commands
 
 
 class Started(AssertionError):
@@ -25,9 +26,8 @@ def tripwires(monkeypatch):
     def started(*args, **kwargs):
         raise Started("the run started before the configuration was checked")
 
-    for module in (train_sft, train_dpo):
-        monkeypatch.setattr(module, "launch", started)
-    monkeypatch.setattr(train_dpo, "demo_sft_model", started)
+    monkeypatch.setattr(commands, "launch", started)
+    monkeypatch.setattr(commands, "demo_sft_model", started)
 
 
 def run(main, argv) -> int:
@@ -123,3 +123,20 @@ def test_an_unreadable_dataset_is_found_before_the_run():
         assert f"--dataset {data}: cannot read {data} (Permission denied)" in message
     finally:
         shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--policy_loss_type", "cispo", "--dual_clip", "3"], "--dual_clip bounds a clipped ratio's loss"),
+    (["--dual_clip", "1"], "--dual_clip must be > 1, got 1.0"),
+    (["--policy_loss_type", "grpo"], "argument --policy_loss_type: invalid choice: 'grpo'"),
+    (["--entropy_coef", "-0.1"], "--entropy_coef must be >= 0, got -0.1"),
+    (["--is_correction_type", "tis", "--vllm_is_correction_cap", "2"], "give one of the two"),
+    (["--is_correction_threshold", "0.5", "2"], "--is_correction_threshold is the band of --is_correction_type"),
+    (["--is_correction_type", "icepop", "--is_correction_threshold", "2", "0.5"], "low <= high"),
+    (["--is_correction_type", "icepop", "--rollout_backend", "hf"], "--is_correction_type corrects vLLM's sampling"),
+])
+def test_bad_policy_loss_and_correction_flags_fail_before_the_run(capsys, flags, expected):
+    from openpack.cli import train_grpo
+
+    assert run(train_grpo.main, [*flags, "--launcher", "local"]) == 2
+    assert expected in one_line(capsys)

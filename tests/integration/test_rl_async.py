@@ -12,6 +12,7 @@ vLLM runs in subprocesses: an in-process engine ends torch.distributed's default
 """
 
 import json
+import math
 import subprocess
 import sys
 
@@ -47,8 +48,8 @@ def task(rl_task, tmp_path_factory):  # noqa: F811
     return {**rl_task, "reward": f"{reward}:logged"}
 
 
-def grpo(task, save_path, *flags, log=None):
-    argv = ["train_grpo", *task["args"], "--reward_fn", task["reward"], *RL, *VLLM, "--save_path", str(save_path),
+def grpo(task, save_path, *flags, log=None, vllm=VLLM):
+    argv = ["train_grpo", *task["args"], "--reward_fn", task["reward"], *RL, *vllm, "--save_path", str(save_path),
             *flags]
     env = {**LOOPBACK_RAY, "REWARD_LOG": str(log or save_path.parent / f"{save_path.name}.rewards")}
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", *argv], capture_output=True, text=True,
@@ -106,6 +107,24 @@ def test_a_resumed_async_run_trains_every_prompt_once(async_run, task, tmp_path)
     assert [m["async/staleness"] for m in read_metrics(resumed)] == [0.0, 1.0, 0.0, 1.0]
 
 
+@pytest.mark.vllm
+def test_rollout_corrections_act_on_stale_samples(task, tmp_path):
+    """--max_staleness 1: rollout batch 2 was sampled by the weights before batch 1's update, so the trainer/vLLM
+    ratios w_t differ from 1 (its vllm_logp_diff, the mean |log w_t|, was 0.19 on a 2-core EPYC; batch 1's 1e-7).
+    icepop with the band exp(-0.2)..exp(0.2) then masks the tokens whose |log w_t| passes 0.2, some and not all;
+    batch 1 (the same weights, w_t = 1 to the rounding) masks none. The ratios' mean and maximum are logged."""
+    band = [f"{math.exp(-0.2):.9f}", f"{math.exp(0.2):.9f}"]
+    run = grpo(task, tmp_path / "icepop", "--max_steps", "2", "--async_train", "--max_staleness", "1",
+               "--is_correction_type", "icepop", "--is_correction_threshold", *band, vllm=VLLM[:-2])
+    first, second = read_metrics(run)
+    assert first["is_correction/masked_tokens"] == 0 and first["is_correction/ratio_max"] < math.exp(1e-4)
+    assert second["vllm_logp_diff"] > 0.02, second  # the stale samples really differ
+    assert 0 < second["is_correction/masked_tokens"] < 1, second
+    assert 0 < second["is_correction/masked_sequences"] <= 1
+    assert second["is_correction/ratio_max"] >= second["is_correction/ratio_mean"] and \
+        abs(second["is_correction/ratio_mean"] - 1) < 0.1
+
+
 def test_async_with_hf_rollouts_is_refused(rl_task, tmp_path, capsys):  # noqa: F811
     argv = [*rl_task["args"], "--reward_fn", f"{rl_task['rewards']}:vowels", *RL, "--save_path", str(tmp_path),
             "--launcher", "local", "--rollout_backend", "hf", "--async_train"]
@@ -117,8 +136,8 @@ def test_max_staleness_without_async_train_is_refused_and_defaults_to_1_with_it(
     """Before, an explicit --max_staleness without --async_train (its default was 1) was ignored in silence: the
     loop stayed synchronous. Now a value given by flag or --config file is refused, naming both flags and the fix;
     unset, it is 1 under --async_train and 0 (synchronous) without."""
-    from openpack.cli.config import ConfigError, parse_config
-    from openpack.cli.train_ppo import CONFIGS
+    from openpack.config.rl import CONFIGS
+    from openpack.config.schema import ConfigError, parse_config
     from openpack.rl.settings import async_staleness
 
     def rollout_cfg(*argv):
@@ -166,7 +185,7 @@ def test_the_pipeline_samples_batch_k_with_version_k_minus_depth(depth):
     for step in range(4):
         rollouts = pipeline.rollouts(step, DIST, version=step)
         assert rollouts.versions == [max(step - depth, 0)] * 2 == [t[0] for t in rollouts.completion_tokens]
-        assert pipeline.metrics["async/staleness"] == min(step, depth)
+        assert pipeline.metrics()["async/staleness"] == min(step, depth)
         engines.version += 1  # the weight sync after the step's update
     assert [prompt for prompt, _ in engines.asked] == [0, 1, 2, 3]  # each batch asked for once, in order
 
@@ -176,8 +195,8 @@ def test_a_batch_staler_than_the_bound_is_dropped_counted_and_generated_again():
     pipeline.rollouts(0, DIST, version=0)  # asks for batch 1 with version 0
     engines.version = 2
     rollouts = pipeline.rollouts(1, DIST, version=2)  # batch 1 is 2 versions old: past the bound
-    assert pipeline.metrics["async/dropped_stale"] == 2
-    assert rollouts.versions == [2, 2] and pipeline.metrics["async/staleness"] == 0
+    assert pipeline.metrics()["async/dropped_stale"] == 2
+    assert rollouts.versions == [2, 2] and pipeline.metrics()["async/staleness"] == 0
 
 
 def test_drop_stale_keeps_samples_within_the_bound():

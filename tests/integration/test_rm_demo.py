@@ -20,7 +20,8 @@ import torch
 import yaml
 from saved_runs import read_metrics
 
-from openpack.cli import train_rm
+from openpack.config.commands import demo_rm_model
+from openpack.config.sections import LaunchConfig
 
 
 def accuracy_by_kind(model_path) -> dict[str, tuple[int, int]]:
@@ -53,9 +54,7 @@ def accuracy_by_kind(model_path) -> dict[str, tuple[int, int]]:
 def test_rm_demo_learns_the_preferences():
     """The demo as the PPO demo trains and caches it (`openpack train_rm --normalize_reward`, seed 42): whichever of
     this test and tests/integration/test_ppo_demo.py runs first trains it once for both."""
-    from openpack.cli.train_sft import LaunchConfig
-
-    model = train_rm.demo_rm_model(LaunchConfig(launcher="local"), 42)
+    model = demo_rm_model(LaunchConfig(launcher="local"), 42)
     run = yaml.safe_load((model.parent / "config.yaml").read_text())
     assert run["pretrain"] is None and run["dataset"] is None and run["normalize_reward"]  # the built-in demo
     evals = [m for m in read_metrics(model.parent) if "eval_accuracy" in m]

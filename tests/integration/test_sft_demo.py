@@ -8,14 +8,15 @@ demo test, or `.ci/run`'s quick start), and this test trains it itself when it r
 import pytest
 import yaml
 
-from openpack.cli import train_sft
+from openpack.config.commands import demo_sft_model
+from openpack.config.sections import LaunchConfig
 
 from saved_runs import read_metrics
 
 
 @pytest.mark.slow
 def test_demo_accuracy_rises():
-    model = train_sft.demo_sft_model(train_sft.LaunchConfig(launcher="local"), 42)
+    model = demo_sft_model(LaunchConfig(launcher="local"), 42)
     run = model.parent
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert config["pretrain"] is None and config["dataset"] is None and config["seed"] == 42  # the built-in demo

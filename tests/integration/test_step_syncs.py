@@ -140,7 +140,7 @@ def test_ppo_updates_read_nothing_per_micro_batch(tmp_path, ppo_models):
     critic's optimizer steps of one rollout batch read nothing; ``train_on`` reads them all once afterwards."""
     runs = {}
     for micro_batches, layout in LAYOUTS.items():
-        with counting(openpack.rl.update, "update", "critic_update") as runs[micro_batches]:
+        with counting(openpack.rl.update, "policy_step", "critic_step") as runs[micro_batches]:
             assert train_ppo.main(["--pretrain", str(ppo_models / "model"), "--prompt_data",
                                    str(ppo_models / "prompts.jsonl"), "--reward_pretrain", str(ppo_models / "rm"),
                                    "--save_path", str(tmp_path / str(micro_batches)), *PPO, *layout]) == 0

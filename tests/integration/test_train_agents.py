@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from openpack.cli import train_grpo, train_ppo
+from openpack.cli import train_grpo
 from openpack.distributed.process import free_port
 
 from hang_guard import HANG_S
@@ -218,7 +218,7 @@ def test_bad_agent_flags_are_named(flags, message, rl_model, tmp_path, capsys, o
     flags = [f.format(root=rl_model, agent=agent) for f in flags]
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"), "--save_path",
             str(tmp_path / "run"), *flags, *COMMON]
-    assert train_ppo.main(argv, "train_grpo", train_ppo.GRPORunConfig) == 2
+    assert train_grpo.main(argv) == 2
     assert message.format(root=rl_model) in capsys.readouterr().err
 
 

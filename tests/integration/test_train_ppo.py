@@ -69,6 +69,28 @@ def test_layouts_give_the_same_steps(layout, mode, reference_runs, tmp_path, rl_
             assert (m["prefix_sharing/split_groups"] > 0) == (layout == "prefix_shared_split"), m
 
 
+POLICY_LOSSES = {  # two updates per rollout batch, so the second one's ratios are not 1; an entropy bonus on both
+    "gspo": ["--policy_loss_type", "gspo", "--dual_clip", "3", "--entropy_coef", "0.01",
+             "--loss_agg_mode", "seq_mean_token_mean"],
+    "cispo": ["--policy_loss_type", "cispo", "--entropy_coef", "0.01"],
+}
+
+
+@pytest.mark.parametrize("loss", list(POLICY_LOSSES))
+def test_policy_losses_give_the_same_steps_packed_and_padded(loss, reference_runs, tmp_path, rl_model):
+    """GSPO's ratio per completion (its tokens spread over a packed row with shared prompts, groups split at the row
+    cap), CISPO's weights, the dual clip and the entropy bonus's gradient: packed == one completion per micro-batch,
+    to 1e-5 in losses, grad norms and weights; and the loss is not PPO's (GSPO's 3e-4/4e-4 range clips at the
+    second update, CISPO logs another loss than the token_mean PPO run on the same batches)."""
+    packed = grpo(tmp_path / "packed", rl_model, *POLICY_LOSSES[loss], *LAYOUTS["prefix_shared_split"])
+    assert_same_run(packed, grpo(tmp_path / "padded", rl_model, *POLICY_LOSSES[loss], *LAYOUTS["padded_8x1"]))
+    metrics, ppo = read_metrics(packed), read_metrics(reference_runs["token_mean"])
+    if loss == "gspo":
+        assert all(m["clip_ratio"] > 0 for m in metrics), metrics
+    else:
+        assert all(abs(m["policy_loss"] - p["policy_loss"]) > 1e-3 for m, p in zip(metrics, ppo)), (metrics, ppo)
+
+
 def test_metrics_are_named_as_peers_name_them(reference_runs):
     metrics = read_metrics(reference_runs["token_mean"])
     assert [m["step"] for m in metrics] == [1, 2]

@@ -85,13 +85,13 @@ def test_truncated_importance_sampling_and_kl_loss():
     """Behaviour (vLLM) log-prob log(1/3) below the old one: weight 3, capped at 2; kl_coef 0.1 adds 0.1 k3."""
     old, logp = torch.zeros(2), torch.zeros(2)
     behaviour = torch.log(torch.tensor([1 / 3, 1.0]))
-    params = PolicyLossParams(tis_cap=2.0, kl_coef=0.1, kl_estimator="k3")
+    params = PolicyLossParams(correction="tis", correction_high=2.0, kl_coef=0.1, kl_estimator="k3")
     ref = torch.tensor([-0.5, 0.0])
     terms = policy_terms(logp, old, torch.tensor([1.0, 1.0]), params, ref_logp=ref, behaviour_logp=behaviour)
     close(terms.loss, [-2.0 + 0.1 * (math.exp(-0.5) - 0.5), -1.0])
     assert terms.tis_clipped.tolist() == [True, False]
     with pytest.raises(ValueError, match="behaviour policy"):
-        policy_terms(logp, old, torch.ones(2), PolicyLossParams(tis_cap=2.0))
+        policy_terms(logp, old, torch.ones(2), PolicyLossParams(correction="tis", correction_high=2.0))
 
 
 def test_token_weights_sum_to_the_step_mean_however_the_step_is_split():

@@ -236,11 +236,11 @@ def test_generation_prompt_other_than_the_assistant_header_is_refused():
 
 def test_the_worker_tokenizes_smollm2_rows_with_assistant_loss(bpe_tok):
     """What train_sft's workers call (sft_worker._tokenize) with the default flags on SmolLM2-template rows."""
-    from openpack.cli import train_sft
-    from openpack.cli.config import parse_config
+    from openpack.config import sft
+    from openpack.config.schema import parse_config
     from openpack.trainers.sft_worker import _tokenize
 
-    data_config = parse_config(["--pretrain", "m", "--dataset", "d.jsonl"], "t", "", *train_sft.CONFIGS)[1]
+    data_config = parse_config(["--pretrain", "m", "--dataset", "d.jsonl"], "t", "", *sft.CONFIGS)[1]
     tokenizer = with_template(bpe_tok, "smollm2")
     samples, report = _tokenize(rows_of(CONVERSATION), tokenizer, data_config, False)
     assert data_config.conversation_loss == "assistant"

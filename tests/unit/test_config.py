@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from openpack.cli.config import (
+from openpack.config.schema import (
     ConfigError, arg, build_parser, config_to_dict, parse_config, save_config, special_values,
 )
 

@@ -8,30 +8,30 @@ import os
 from pathlib import Path
 
 import openpack
-from openpack.cli import train_sft
+from openpack.config import sft
 from openpack.trainers import demo
 
 TRAINING_PATH = Path(openpack.__file__).parent / "trainers" / "sft.py"
 
 
 def test_the_key_changes_with_the_code_on_the_training_path(monkeypatch):
-    before = demo.code_key(train_sft.DEMO_CONFIG)
-    assert demo.code_key(train_sft.DEMO_CONFIG) == before  # deterministic
+    before = demo.code_key(sft.DEMO_CONFIG)
+    assert demo.code_key(sft.DEMO_CONFIG) == before  # deterministic
     real_read = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes",
                         lambda path: real_read(path) + (b"# edited" if path == TRAINING_PATH else b""))
-    assert demo.code_key(train_sft.DEMO_CONFIG) != before
+    assert demo.code_key(sft.DEMO_CONFIG) != before
 
 
 def test_the_key_changes_with_the_recipe_and_the_library_versions(monkeypatch, tmp_path):
-    before = demo.code_key(train_sft.DEMO_CONFIG)
+    before = demo.code_key(sft.DEMO_CONFIG)
     recipe = tmp_path / "sft.yaml"
-    recipe.write_bytes(train_sft.DEMO_CONFIG.read_bytes() + b"max_epochs: 7\n")
+    recipe.write_bytes(sft.DEMO_CONFIG.read_bytes() + b"max_epochs: 7\n")
     assert demo.code_key(recipe) != before
     real_version = demo.importlib.metadata.version
     monkeypatch.setattr(demo.importlib.metadata, "version",
                         lambda name: "9.9" if name == "transformers" else real_version(name))
-    assert demo.code_key(train_sft.DEMO_CONFIG) != before
+    assert demo.code_key(sft.DEMO_CONFIG) != before
 
 
 def test_the_cache_lives_under_openpack_cache(monkeypatch, tmp_path):

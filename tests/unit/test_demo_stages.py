@@ -4,15 +4,15 @@ stage printed "RuntimeError: the SFT demo run failed" with its traceback)."""
 
 import pytest
 
-from openpack.cli import train_rm, train_sft
-from openpack.cli.train_sft import LaunchConfig
+from openpack.config import commands
+from openpack.config.sections import LaunchConfig
 
 
-@pytest.mark.parametrize("module, stage", [(train_sft, train_sft.demo_sft_model), (train_rm, train_rm.demo_rm_model)])
+@pytest.mark.parametrize("stage", [commands.demo_sft_model, commands.demo_rm_model])
 @pytest.mark.parametrize("code", [130, 1])
-def test_a_failed_or_stopped_stage_exits_with_its_code(module, stage, code, tmp_path, monkeypatch, capsys):
+def test_a_failed_or_stopped_stage_exits_with_its_code(stage, code, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OPENPACK_CACHE", str(tmp_path))
-    monkeypatch.setattr(module, "main", lambda argv: code)
+    monkeypatch.setattr(commands, "run_training", lambda command, argv: code)
     with pytest.raises(SystemExit) as stopped:
         stage(LaunchConfig(), 42)
     assert stopped.value.code == code

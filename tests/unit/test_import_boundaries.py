@@ -20,8 +20,10 @@ import openpack.core
 
 # bottom -> top. rollout sits under trainers: the online loop (rl) drives engines and weight sync, and rollout never
 # reaches back into a trainer, the loop, orchestration or the CLI. rl builds on what every trainer shares (the run
-# loop, reference models, tracking), and no offline trainer knows the online loop.
-LAYERS = ["core", "data", "models", "distributed", "rollout", "trainers", "rl", "orchestration", "cli"]
+# loop, reference models, tracking), and no offline trainer knows the online loop. config (every command's sections,
+# checks and run) sits on orchestration: its checks ask rl, rollout and models what a run can do, and a command runs
+# through orchestration's launcher; orchestration reads a run config's sections without importing config.
+LAYERS = ["core", "data", "models", "distributed", "rollout", "trainers", "rl", "orchestration", "config", "cli"]
 FORBIDDEN_AT_IMPORT = {
     "core": ["transformers", "ray", "deepspeed", "vllm", "flash_attn", "datasets"],
     "data": ["ray", "deepspeed", "vllm", "flash_attn"],

@@ -73,3 +73,27 @@ def test_a_pair_split_across_micro_batches_is_refused():
     batch = collate_packed([Segment([1, 2], [True, True], 0, CHOSEN)])
     with pytest.raises(ValueError, match="split across micro-batches"):
         pair_segments(batch)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_the_entropy_carries_its_gradient(softcap):
+    """An entropy bonus trains on H_t: the chunked d H / d (hidden, head) == autograd through full (capped) logits,
+    together with the log-probs' gradient; chunks of 3 rows over 7, two ignored."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(7, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    labels = torch.tensor([3, IGNORE_INDEX, 7, 1, 49, IGNORE_INDEX, 0])
+    a, b = torch.randn(7), torch.randn(7)
+    entropy = torch.empty(7)
+    logp = token_logprobs(hidden, weight, labels, chunk_tokens=3, entropy=entropy, softcap=softcap)
+    chunked = torch.autograd.grad((a * logp + b * entropy).sum(), (hidden, weight))
+    logits = hidden @ weight.T
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    full = torch.log_softmax(logits, -1)
+    kept = labels != IGNORE_INDEX
+    expected_logp = torch.where(kept, full.gather(1, labels.clamp(min=0)[:, None])[:, 0], torch.zeros(7))
+    expected_entropy = torch.where(kept, -(full.exp() * full).sum(-1), torch.zeros(7))
+    torch.testing.assert_close(entropy, expected_entropy, rtol=0, atol=1e-6)
+    expected = torch.autograd.grad((a * expected_logp + b * expected_entropy).sum(), (hidden, weight))
+    for ours, theirs in zip(chunked, expected):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)

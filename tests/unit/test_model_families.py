@@ -147,7 +147,8 @@ def test_dpo_refuses_prefix_sharing_with_longrope_before_loading(tmp_path, capsy
     ([], "llama", False),
 ])
 def test_rl_prefix_sharing_is_the_default_where_it_is_exact(flags, family, shared, tmp_path):
-    from openpack.cli.train_ppo import GRPORunConfig, with_prefix_sharing
+    from openpack.config.rl import GRPORunConfig
+    from openpack.config.rl_checks import with_prefix_sharing
 
     model = []
     if family is not None:

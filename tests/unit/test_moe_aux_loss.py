@@ -20,7 +20,11 @@ from openpack.models.attention import register_packed_attention
 from openpack.models.packed import PackedCausalLM, packed_forward
 from openpack.models.tiny import tiny_causal_lm
 from openpack.models.verify import random_segments
-from openpack.rl.update import accumulated_step
+from openpack.core.rl_losses import PolicyLossParams
+from openpack.rl.episodes import Rollouts, Units
+from openpack.rl.experience import Experience
+from openpack.rl.settings import RLSettings
+from openpack.rl.update import critic_step, policy_step
 from openpack.trainers.batching import MicroBatcher
 from openpack.trainers.dpo import PreferenceObjective, dpo_step
 from openpack.trainers.reference import ModelReference
@@ -236,25 +240,38 @@ def test_gradient_checkpointing_keeps_the_aux_gradient():
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-7, msg=name)
 
 
+def rl_experience(segments) -> tuple[Experience, RLSettings]:
+    """The segments as completions of a 2-token prompt each, advantage 1 on every token, no old-policy pass."""
+    rollouts = Rollouts([list(s.tokens[:2]) for s in segments], [list(s.tokens[2:]) for s in segments],
+                        [[0.0] * (len(s.tokens) - 2) for s in segments], [True] * len(segments))
+    units, lengths = Units(rollouts, shared=False), rollouts.response_lengths()
+    experience = Experience(rollouts=rollouts, units=units, batcher=MicroBatcher(units.segments, packing_samples=True),
+                            lengths=lengths, behaviour=[torch.zeros(n) for n in lengths],
+                            advantages=[torch.ones(n) for n in lengths],
+                            values=dict(enumerate(torch.zeros(n) for n in lengths)),
+                            returns=[torch.ones(n) for n in lengths])
+    settings = RLSettings(n_samples_per_prompt=1, advantage_estimator="reinforce", loss_agg_mode="token_mean",
+                          generate_max_len=32, policy=PolicyLossParams(), kl_coef=0.0, use_kl_loss=False)
+    return experience, settings
+
+
 def test_rl_policy_update_adds_the_aux_loss_and_the_critic_none():
-    """``rl.update.accumulated_step``: the policy's step adds coef x the token-weighted aux loss and logs it; a value
-    model on the same MoE decoder (``packed_forward`` outside ``PackedCausalLM``, as ``models/reward.py``) asks for
-    no router logits and adds nothing."""
+    """``rl.update.policy_step``: the policy's step adds coef x the token-weighted aux loss (over each micro-batch's
+    prompt and completion tokens) and logs it; the critic's step on the same MoE decoder (``packed_forward``
+    outside ``PackedCausalLM``, as ``models/reward.py``) asks for no router logits and adds nothing."""
     model = tiny_moe("mixtral")
     segments = random_segments(LENGTHS, 256, seed=3)
-    batcher, step = MicroBatcher(lambda i: [segments[i]], packing_samples=True), plan(segments)
-
-    def run(engine):
-        def loss_and_stats(batch, ids):
-            return -(engine(batch) * batch.loss_mask.reshape(-1)).sum() / step.label_tokens[0], []
-        return dict(accumulated_step(engine, batcher, step, CPU, loss_and_stats, (), lambda sums: {"pg": sums["loss"]}))
-
+    experience, settings = rl_experience(segments)
+    step = RankStep(0, 0, MICRO_BATCHES, len(segments), sum(LENGTHS), (sum(experience.lengths),),
+                    len(MICRO_BATCHES), None)
     engine = RecordingEngine(PackedCausalLM(model))
-    metrics = run(engine)
+    metrics = dict(policy_step(engine, experience, step, settings, CPU))
     expected = sum(transformers_aux(model, [segments[i] for i in ids]) * sum(LENGTHS[i] for i in ids)
                    for ids in MICRO_BATCHES) / step.real_tokens
     assert metrics["router_aux_loss"] == pytest.approx(float(expected.detach()), abs=1e-6)
-    assert float(sum(engine.losses)) == pytest.approx(metrics["pg"] + COEF * metrics["router_aux_loss"], abs=1e-5)
+    assert metrics["policy_loss"] == pytest.approx(-1.0, abs=1e-6)  # ratio 1, advantage 1, token mean
+    assert float(sum(engine.losses)) == pytest.approx(metrics["policy_loss"] + COEF * metrics["router_aux_loss"],
+                                                      abs=1e-5)
 
     class ValueModel(torch.nn.Module):  # a critic's shape: hidden states -> one number per token
         def __init__(self):
@@ -265,5 +282,5 @@ def test_rl_policy_update_adds_the_aux_loss_and_the_critic_none():
             return packed_forward(self.model, batch).sum(-1)
 
     calls = decoder_kwargs(model)
-    assert "router_aux_loss" not in run(RecordingEngine(ValueModel()))
+    assert "router_aux_loss" not in dict(critic_step(RecordingEngine(ValueModel()), experience, step, settings, CPU))
     assert calls and all(call["output_router_logits"] is False for call in calls)

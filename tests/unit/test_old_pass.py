@@ -41,7 +41,7 @@ def test_the_training_forward_gives_the_old_pass_log_probs_and_so_the_same_loss_
     tokens = scored.numel()
     advantages = torch.randn(tokens, generator=g)
     behaviour = scored + 0.3 * torch.randn(tokens, generator=g)  # one version older, as async samples it
-    params = PolicyLossParams(eps_low=0.2, eps_high=0.28, tis_cap=2.0)
+    params = PolicyLossParams(eps_low=0.2, eps_high=0.28, correction="tis", correction_high=2.0)
 
     def loss_and_grads(old_from_pass: bool):
         module.zero_grad(set_to_none=True)

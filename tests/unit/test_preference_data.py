@@ -477,12 +477,12 @@ def test_apply_chat_template_and_input_template_match_trl(tok, bpe_tok, trl_trai
 
 def test_flags_reach_the_tokenizer(tok):
     """--apply_chat_template and --input_template parse into PreferenceDataConfig and reach tokenize_pairs."""
-    from openpack.cli import train_dpo
-    from openpack.cli.config import parse_config
+    from openpack.config import dpo
+    from openpack.config.schema import parse_config
     from openpack.trainers.dpo_worker import _tokenize
 
     def data_config(*flags):
-        return parse_config(["--pretrain", "m", "--dataset", "d.jsonl", *flags], "t", "", *train_dpo.CONFIGS)[1]
+        return parse_config(["--pretrain", "m", "--dataset", "d.jsonl", *flags], "t", "", *dpo.CONFIGS)[1]
 
     pairs, _ = _tokenize(rows_of(pair_row()), tok, data_config("--apply_chat_template"), False)
     assert pairs[0].prompt == CHAT_PROMPT

@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from openpack.cli import train_dpo, train_ppo, train_rm, train_sft
+from openpack.config import dpo, rl, rm, sections, sft
 from openpack.distributed.checkpoint import changed_settings
 
 BEFORE = Path(__file__).parents[1] / "data" / "configs_before_rl_move"
-RUN_CONFIGS = {"train_sft": (train_sft.SFTRunConfig, {}), "train_dpo": (train_dpo.DPORunConfig,
-                                                                        {"aliases": train_dpo.ALIASES}),
-               "train_rm": (train_rm.RMRunConfig, {}), "train_ppo": (train_ppo.PPORunConfig, {}),
-               "train_grpo": (train_ppo.GRPORunConfig, {})}
+RUN_CONFIGS = {"train_sft": (sft.SFTRunConfig, {}), "train_dpo": (dpo.DPORunConfig, {"aliases": dpo.ALIASES}),
+               "train_rm": (rm.RMRunConfig, {}), "train_ppo": (rl.PPORunConfig, {}),
+               "train_grpo": (rl.GRPORunConfig, {})}
 
 
 @pytest.mark.parametrize("command", sorted(RUN_CONFIGS))
@@ -42,18 +41,17 @@ def test_a_config_saved_before_the_sections_loads_and_saves_back_unchanged(comma
 def test_the_check_sees_a_changed_setting(tmp_path):
     """The comparison above can fail: one flag changed on top of the old file shows as a change."""
     saved = BEFORE / "train_sft.yaml"
-    cfg = train_sft.SFTRunConfig.parse(["--config", str(saved), "--max_len", "1024"], "openpack train_sft", "")
+    cfg = sft.SFTRunConfig.parse(["--config", str(saved), "--max_len", "1024"], "openpack train_sft", "")
     cfg.save(tmp_path / "config.yaml")
     old, new = yaml.safe_load(saved.read_text()), yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert changed_settings(old, new) == {"max_len": (512, 1024)}
 
 
 def test_sections_are_typed_and_named():
-    cfg = train_ppo.GRPORunConfig.parse(["--config", str(BEFORE / "train_grpo.yaml")], "openpack train_grpo", "")
+    cfg = rl.GRPORunConfig.parse(["--config", str(BEFORE / "train_grpo.yaml")], "openpack train_grpo", "")
     assert [f.name for f in dataclasses.fields(cfg)] == ["model", "data", "train", "output", "rollout", "rl",
                                                           "launch", "agent"]
-    assert isinstance(cfg.rollout, train_ppo.GRPORolloutConfig) and isinstance(cfg.rl, train_ppo.GRPOConfig)
+    assert isinstance(cfg.rollout, rl.GRPORolloutConfig) and isinstance(cfg.rl, rl.GRPOConfig)
     assert cfg.rollout.n_samples_per_prompt == 8 and cfg.data.label_key == "answer" and cfg.model.pretrain == "org/model"
-    assert train_ppo.CONFIGS == (train_sft.ModelConfig, train_ppo.PromptDataConfig, train_ppo.RLTrainConfig,
-                                 train_sft.OutputConfig, train_ppo.RolloutConfig, train_ppo.RLConfig,
-                                 train_sft.LaunchConfig, train_ppo.AgentConfig)
+    assert rl.CONFIGS == (sections.ModelConfig, rl.PromptDataConfig, rl.RLTrainConfig, sections.OutputConfig,
+                          rl.RolloutConfig, rl.RLConfig, sections.LaunchConfig, rl.AgentConfig)

@@ -433,12 +433,12 @@ def test_openrlhf_keys_match_trl(tok, bpe_tok, trl_sft_for):
 
 def test_flags_reach_the_tokenizer(tok):
     """--messages_key, --conversation_loss and --input_template parse into DataConfig and reach tokenize_sft."""
-    from openpack.cli import train_sft
-    from openpack.cli.config import parse_config
+    from openpack.config import sft
+    from openpack.config.schema import parse_config
     from openpack.trainers.sft_worker import _tokenize
 
     def data_config(*flags):
-        return parse_config(["--pretrain", "m", "--dataset", "d.jsonl", *flags], "t", "", *train_sft.CONFIGS)[1]
+        return parse_config(["--pretrain", "m", "--dataset", "d.jsonl", *flags], "t", "", *sft.CONFIGS)[1]
 
     samples, _ = _tokenize(rows_of({"chat": TWO_TURNS}), tok, data_config("--messages_key", "chat",
                                                                           "--conversation_loss", "all"), False)

@@ -100,7 +100,7 @@ class AgentGenerator:
         self.make_env, self.rows_of, self.tokenizer = make_env, rows_of, tokenizer
         self.limits, self.concurrency, self.tools = limits, concurrency, tools
         self.max_failure_fraction = max_failure_fraction
-        self.metrics: dict[str, float] = {}
+        self.last_metrics: dict[str, float] = {}
 
     @property
     def backend(self) -> str:
@@ -138,7 +138,7 @@ class AgentGenerator:
             episodes = broadcast_object(local)
         check_failures(episodes, self.max_failure_fraction)
         rollouts, dropped = episode_rollouts(episodes, self.generator.sampling.n, pending.version)
-        self.metrics = {**episode_metrics(episodes), **environment_metrics(episodes),
+        self.last_metrics = {**episode_metrics(episodes), **environment_metrics(episodes),
                         "episodes/dropped_groups": float(dropped)}
         failures = Counter(e.stop for e in episodes if e.failed)
         if failures and dist.is_main:
@@ -149,6 +149,10 @@ class AgentGenerator:
 
     def rollouts(self, prompts, step, dist, version: int = 0) -> Rollouts:
         return self.result(self.submit(prompts, step, dist, version), dist)
+
+    def metrics(self) -> dict[str, float]:
+        """The last batch's episode, environment and tool numbers."""
+        return self.last_metrics
 
     def evaluate(self, model, prompts) -> dict[str, float]:
         """Greedy episodes of ``model`` on held-out ``prompts``: eval_success (the share whose reward is above 0),

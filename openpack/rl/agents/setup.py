@@ -1,4 +1,4 @@
-"""What a run's agent flags (``cli/train_ppo.AgentConfig``) become: the environment factory, the episode limits
+"""What a run's agent flags (``config/rl.AgentConfig``) become: the environment factory, the episode limits
 and the failure bound, with the defaults the flags leave unset (``None``) resolved here."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Config system of every ``openpack`` command: dataclasses -> flags, YAML and saved config.
+"""The config machinery of every ``openpack`` command: dataclasses -> flags, YAML and saved config.
 
 A command declares its options as ``@dataclass`` classes whose fields carry a
 default and a one-line help string (``arg``). From those alone come the
