@@ -51,11 +51,11 @@ def one_line(capsys) -> str:
     (["--logging_steps", "0"], "--logging_steps must be >= 1, got 0"),
     (["--max_steps", "0"], "--max_steps must be >= 1, got 0 (stop after this many optimizer steps; none means train"),
     (["--no_use_dynamic_batch", "--train_batch_size", "6", "--micro_train_batch_size", "4"],
-     "--train_batch_size 6 does not split into micro-batches of --micro_train_batch_size 4 on 1 rank(s)"),
+     "--train_batch_size 6 does not split into micro-batches of --micro_train_batch_size 4 on 1 data-parallel rank(s)"),
     (["--input_template", "User: {}\\nAssistant: "], "holds the two characters \\n, not a newline"),
     (["--input_template", "{}", "--apply_chat_template"], "drop one of the two"),
     (["--launcher", "ray", "--num_gpus_per_node", "4", "--no_use_dynamic_batch", "--train_batch_size", "6"],
-     "--train_batch_size 6 does not split into micro-batches of --micro_train_batch_size 1 on 4 rank(s)"),
+     "--train_batch_size 6 does not split into micro-batches of --micro_train_batch_size 1 on 4 data-parallel rank(s)"),
 ])
 def test_bad_flags_of_the_demo_fail_before_it_starts(capsys, flags, expected):
     assert run(train_dpo.main, [*flags, "--launcher", "local"] if "--launcher" not in flags else flags) == 2
