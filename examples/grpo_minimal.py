@@ -30,8 +30,8 @@ held-out evaluation (``config.commands.demo_sft_model``, ``data.demo_task``, ``t
 
 Measured 2026-11-28 on a 2-core AMD EPYC shared with other jobs, the SFT demo model cached: 1 min 52 s at a load
 average of 1.6-4 (a step alone takes 0.2 s uncontended), 8 min 54 s at 6-7; held-out exact match 0.7% -> 98.8%,
-mean reward 0.27 -> 0.98. Without the cached model, it is trained first (about 40 s on an idle machine, says
-data/demo_configs/sft.yaml). It moves to CUDA where there is one; the equality is tested on CPU.
+mean reward 0.27 -> 0.98. Without the cached model, it is trained first (minutes: docs/status.md times the
+SFT demo). It moves to CUDA where there is one; the equality is tested on CPU.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ clip ratio and rewards, with the same seed, data and flags.
 The real command runs in this process as a user runs it with ``--launcher local --rollout_backend hf`` (one rank,
 DeepSpeed, which runs ZeRO-2 on one CPU rank in fp32 as its stage 0), the minimal file with plain torch. Both
 start from the SFT demo model (seed 42, cached: CI's quick start has trained it; elsewhere the first demo test of
-a session trains it, about 40 s on an idle 2-core machine) on the demo's prompts with its exact-match reward. The
+a session trains it, minutes: docs/status.md times the SFT demo) on the demo's prompts with its exact-match reward. The
 real command gets them as flags (``--label_key response`` is the demo's reward, ``rl/rewards.py``), which skips the
 demo's held-out evaluations before and after (1,022 greedy answers each, most of the test's time otherwise).
 
