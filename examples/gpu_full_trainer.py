@@ -225,6 +225,21 @@ def commands(s: Setup) -> list[Command]:
     return every
 
 
+def selected(every: list[Command], only: list[str] | None) -> list[Command]:
+    """``only``'s commands in its order (all of ``every`` without it); PPO, which needs train_rm's model, gets
+    ``rm`` run just before it when ``only`` leaves ``rm`` out."""
+    if not only:
+        return every
+    by_name = {c.name: c for c in every}
+    picked: list[str] = []
+    for name in only:
+        if by_name[name].needs is not None and "rm" not in only and "rm" not in picked:
+            picked.append("rm")
+        if name not in picked:
+            picked.append(name)
+    return [by_name[n] for n in picked]
+
+
 def cpu_reference_argv(command: Command) -> list[str]:
     """The same command in fp32 for one step (step 1 is the same whatever --max_steps says)."""
     return [a for a in command.argv if a != "--bf16"] + ["--max_steps", "1"]

@@ -177,7 +177,7 @@ def pytest_summary(output: str) -> str:
 
 
 def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: list[str] | None,
-                 profile: bool = False) -> list[str]:
+                 profile: bool = False, no_resume: list[str] | None = None) -> list[str]:
     """Every command through the CLI with DeepSpeed (``gpu_full_trainer.py``), then the trainer's packed DPO
     against the kernel-level harness (``benchmarks/gpu_mfu.py``'s packed arm) and TRL's DPOTrainer on the same
     model shape, length mix, 64 pairs a step and row cap."""
@@ -194,7 +194,7 @@ def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: lis
         if gpu:
             torch.cuda.empty_cache()
         every = ft.commands(setup)
-        cmds = [c for c in every if not only or c.name in only]
+        cmds = ft.selected(every, only)
         # the fp32 CPU runs use the cores the GPU runs leave free (a GPU run keeps about two busy)
         references = ft.CpuReferences(setup, threads=max(1, (os.cpu_count() or 2) - 4))
         references.start(every, cmds)
@@ -205,7 +205,7 @@ def full_trainer(book: Runbook, size: str, scale: int, dpo_steps: int, only: lis
                                          f"{book.budget_s:.0f} s was spent"))
                 continue
             # a dry run resumes one command of each checkpoint kind (CI's time); a GPU run resumes every one
-            resume = not book.dry_run or command.checkpoint not in resumed
+            resume = (not book.dry_run or command.checkpoint not in resumed) and command.name not in (no_resume or [])
             resumed.add(command.checkpoint)
             results.append(ft.run_command(book, setup, command, peak, resume))
             book.results.setdefault("full_trainer", []).append(  # step 1's metrics, all of them; the rest's time
@@ -469,7 +469,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
                         help="which sections run, in the runbook's order (default: all)")
     parser.add_argument("--commands", nargs="+", choices=ft.COMMAND_NAMES, metavar="NAME",
-                        help="the full trainer's commands to run (default: all; e.g. a rerun of those a budget cut)")
+                        help="the full trainer's commands to run, in this order (default: all, in the runbook's "
+                             "order; e.g. a rerun of those a budget cut); ppo without rm runs rm first")
+    parser.add_argument("--no_resume", nargs="+", choices=ft.COMMAND_NAMES, metavar="NAME", default=[],
+                        help="run these commands without the resume (one that resumed on a GPU before)")
     parser.add_argument("--profile", action="store_true",
                         help="the full trainer's DPO step 2 under torch.profiler too (one more launch, ~1 minute)")
     parser.add_argument("--trl_size", default="0.5b", choices=["0.5b", "1.5b"])
@@ -496,7 +499,8 @@ def main(argv=None) -> int:
     size, scale, steps = ("smoke", 8, 2) if args.dry_run else ("0.5b", 1, 5)
     trl_settings = ("smoke", 2, 8, 16) if args.dry_run else (args.trl_size, 5, 32, 1)
     runs = {
-        "full_trainer": lambda: full_trainer(book, size, scale, steps, args.commands, args.profile),
+        "full_trainer": lambda: full_trainer(book, size, scale, steps, args.commands, args.profile,
+                                             args.no_resume),
         "gpu_tests": lambda: gpu_tests(book),
         "check_packing": lambda: check_packing(book),
         "prefix_sharing": lambda: prefix_sharing(book),
