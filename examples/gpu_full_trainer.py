@@ -368,7 +368,8 @@ def run_command(book, setup: Setup, command: Command, peak_tflops: float, resume
     checkpoints = sorted((save / "checkpoints").glob("global_step*"))
     result.checkpoint_gib = folder_gib(checkpoints[-1]) if checkpoints else None
     if result.exit == 0 and not resume:
-        result.resumed = f"not run (dry run: one {command.checkpoint} resume only)"
+        result.resumed = (f"not run (dry run: one {command.checkpoint} resume only)" if book.dry_run else
+                          "not run (--no_resume)")
     elif result.exit == 0:
         began = time.monotonic()
         more = [*argv, "--max_steps", str(command.steps + 1), "--load_checkpoint"]

@@ -116,6 +116,7 @@ def load_reward_model(pretrain: str, bf16: bool = False, gradient_checkpointing:
     from openpack.models.attention import register_packed_attention
 
     check_model_family(load_model_config(pretrain, flag), flag)
+    seed_state = torch.get_rng_state()  # the new head's draw, redone in fp32 below
     with _HeldReport() as report:  # transformers' load report; shown below unless all it says is expected
         model, info = _from_pretrained(AutoModelForSequenceClassification, pretrain, "reward model", flag,
                                        num_labels=1, attn_implementation=register_packed_attention(),
@@ -124,11 +125,30 @@ def load_reward_model(pretrain: str, bf16: bool = False, gradient_checkpointing:
         report.expected = only_a_new_head(info, value_head_prefix)
     head_read = value_head_prefix != HEAD and _load_head(model, Path(pretrain), value_head_prefix, flag)
     if report.expected and info["missing_keys"] and not head_read:
+        draw_head_in_fp32(model, seed_state)
         logging.getLogger("openpack").info("%s %s: a causal LM, so the reward model's head (%s) starts new, "
                                            "initialised as transformers initialises it", flag, pretrain, HEAD)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return prepare_for_training(model, gradient_checkpointing)
+
+
+def draw_head_in_fp32(model, seed_state: torch.Tensor) -> None:
+    """A new head is drawn as transformers draws it in fp32 (normal, std ``initializer_range``, the first draw from
+    the torch seed the load began with), then cast to the model's dtype: a bf16 reward model starts from the fp32
+    one's head rounded, whatever torch's bf16 sampler does. On 2026-11-28 an H200 machine (torch 2.11,
+    transformers 5.17) drew another bf16 head from the same seed, which put train_rm's bf16 step-1 loss 0.034 off
+    its fp32 loss (docs/verification.md)."""
+    head = getattr(model, HEAD)
+    if not head.weight.is_floating_point():  # a quantized head keeps transformers' draw
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(seed_state)
+        weight = torch.empty(head.weight.shape, dtype=torch.float32).normal_(0.0, model.config.initializer_range)
+    with torch.no_grad():
+        head.weight.copy_(weight.to(head.weight.device))
+        if getattr(head, "bias", None) is not None:
+            head.bias.zero_()
 
 
 def only_a_new_head(info: dict, value_head_prefix: str = HEAD) -> bool:

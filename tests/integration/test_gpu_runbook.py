@@ -102,3 +102,16 @@ def test_the_wheels_script_fetches_what_the_gpu_machine_lacks_within_the_size_li
                      "pydantic_core", "trl", "typing_inspection"]
     assert next((tmp_path / "whl").glob("pydantic_core-*cp312*manylinux*.whl"))
     assert "together" in run.stdout and "limit 60 MiB" in run.stdout
+
+
+def test_commands_run_in_the_order_named_and_ppo_brings_its_reward_model():
+    """``--commands`` reruns what a budget cut; PPO needs train_rm's model, so ``rm`` runs just before it."""
+    work = Path("/nonexistent")
+    setup = ft.Setup(work, work / "policy", work / "reference", work / "sft.jsonl", work / "pairs.jsonl",
+                     work / "prompts.jsonl", "reward.py:parity", 1, 1, 1, 1.0, 1.0, 1)
+    every = ft.commands(setup)
+    names = lambda only: [c.name for c in ft.selected(every, only)]  # noqa: E731
+    assert names(None) == COMMANDS
+    assert names(["ppo", "lora", "grpo"]) == ["rm", "ppo", "lora", "grpo"]
+    assert names(["grpo", "rm", "ppo"]) == ["grpo", "rm", "ppo"]
+    assert names(["sft_gc", "dpo"]) == ["sft_gc", "dpo"]
