@@ -66,6 +66,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
+    set_context_group(None)
     dist.destroy_process_group()
 
 
