@@ -174,5 +174,13 @@ def test_the_prefix_shared_check_can_fail(monkeypatch):
 
     monkeypatch.setattr(attention, "_bottom_right_mask", lambda q, k, window, device: torch.ones(
         q, k, dtype=torch.bool, device=device).tril())
+    grouped = attention._shared_cross_mask  # SDPA's grouped pass: the prompt's keys top-left aligned too
+
+    def top_left(segment, offset, prompt, window):
+        mask = grouped(segment, offset, prompt, window)
+        mask[:, :prompt] = torch.arange(prompt)[None, :] <= offset[:, None]
+        return mask
+
+    monkeypatch.setattr(attention, "_shared_cross_mask", top_left)
     result = shared_vs_unpacked(tiny_causal_lm("llama", seed=1), GROUPS, seed=1)
     assert result["packed_logprob_error"] > 1e-2, result
