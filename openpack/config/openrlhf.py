@@ -136,8 +136,8 @@ def datasets(name: str, flag: str, split_flag: str) -> Twin:
                   "OpenRLHF's `name@data_dir` refused", translate)
 
 
-def split(name: str, datasets_flag: str) -> Twin:
-    """The split of ``datasets_flag``'s hub datasets (applied there); train is openpack's."""
+def split(name: str, datasets_flag: str, flag: str) -> Twin:
+    """The split of ``datasets_flag``'s hub datasets (applied there, to ``flag``'s values); train is openpack's."""
     def translate(values: list[str], given: Given):
         if values == ["train"]:
             return [], None
@@ -145,8 +145,8 @@ def split(name: str, datasets_flag: str) -> Twin:
             raise ConfigError(f"{name} {values[0]} is the split of {datasets_flag}'s hub datasets: give "
                               f"{datasets_flag} too, or name the split as name@split")
         return [], None
-    return custom(name, "1", (), f"the split of `{datasets_flag}`'s hub datasets, as `name@split` (local files "
-                  "have one)", translate)
+    return custom(name, "1", (flag,), f"the split of `{datasets_flag}`'s hub datasets, as `name@split` in "
+                  f"`{flag}` (local files have one)", translate)
 
 
 def param_dtype(values: list[str], given: Given):
@@ -284,7 +284,7 @@ def offline() -> list[Twin]:
         datasets("--data.dataset", "--dataset", "--data.dataset_split"),
         same("--data.dataset_probs", "--dataset_probs", convert=comma_list, meaning="`--dataset_probs`: `a,b` is "
              "`a b`"),
-        split("--data.dataset_split", "--data.dataset"),
+        split("--data.dataset_split", "--data.dataset", "--dataset"),
         missing("--data.tokenizer_chat_template", "1", "a chat template given on the command line"),
         same("--data.max_len", "--max_len"),
     ]
@@ -361,7 +361,7 @@ def rm() -> list[Twin]:
              meaning="`--margin_key margin` (OpenRLHF's margin column)"),
         custom("--model.loss_type", "1", ("--loss",), "`--loss` (sigmoid, logexp)", loss_type),
         datasets("--eval.dataset", "--eval_dataset", "--eval.split"),
-        split("--eval.split", "--eval.dataset"),
+        split("--eval.split", "--eval.dataset", "--eval_dataset"),
         custom("--eval.steps", "1", ("--eval_steps",), "`--eval_steps`: -1 is none (before and after training; "
                "OpenRLHF evaluates once per epoch)", eval_steps),
     ]
@@ -613,7 +613,7 @@ def rl() -> list[Twin]:
         datasets("--data.prompt_dataset", "--prompt_data", "--data.prompt_split"),
         same("--data.prompt_probs", "--prompt_data_probs", convert=comma_list,
              meaning="`--prompt_data_probs`: `a,b` is `a b`"),
-        split("--data.prompt_split", "--data.prompt_dataset"),
+        split("--data.prompt_split", "--data.prompt_dataset", "--prompt_data"),
         same("--data.input_key", "--input_key"),
         same("--data.label_key", "--label_key"),
         custom("--algo.dynamic_filtering_enable", "0", ("--dynamic_filtering", "--dynamic_filtering_reward_range"),

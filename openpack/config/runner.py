@@ -50,7 +50,7 @@ def run_training(command: TrainingCommand, argv: list[str] | None) -> int:
         return refused(command.name, err, 2)
     argv, demo_notice = with_demo_defaults(translated.argv, command.name, demo_config(command, translated.argv),
                                            command.data_flag)
-    epilog = "\n\n".join(text for text in (command.epilog, openrlhf.help_epilog(command.name)) if text)
+    epilog = "\n\n".join(text for text in (openrlhf.help_epilog(command.name), command.epilog) if text)
     try:
         cfg = command.run_config.parse(argv, f"openpack {command.name}", command.description,
                                        aliases=command.aliases, epilog=epilog or None,

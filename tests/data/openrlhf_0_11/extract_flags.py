@@ -37,7 +37,7 @@ def nargs(action: argparse.Action) -> str:
     return "1" if action.nargs is None else str(action.nargs)
 
 
-def default(action: argparse.Action, command: str):
+def default(action: argparse.Action):
     value = action.default
     if isinstance(value, tuple):
         value = list(value)
@@ -57,7 +57,7 @@ def main(git_dir: str) -> None:
         for action in parser_of(source, path)._actions:
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
-                    lines.append(f"{command}\t{flag}\t{nargs(action)}\t{json.dumps(default(action, command))}")
+                    lines.append(f"{command}\t{flag}\t{nargs(action)}\t{json.dumps(default(action))}")
     (Path(__file__).parent / "flags.tsv").write_text("\n".join(lines) + "\n")
 
 
