@@ -96,7 +96,8 @@ def missing(name: str, nargs: str, feature: str, off: tuple[str, ...] = (), fix:
             return [], f"{name} {' '.join(values)}: {feature} stays off, as openpack has it"
         raise ConfigError(f"{' '.join([name, *values])}: {feature} is not in openpack{'; ' + fix if fix else ''} "
                           "(an OpenRLHF 0.11 flag; docs/openrlhf.md)")
-    shown = f"; accepted: {', '.join(f'`{v}`' for v in off)} (off)" if off else ""
+    offs = ", ".join(f"`{v}`" if v else "''" for v in off)
+    shown = f"; accepted: {offs} (off)" if off else ""
     return Twin(name, nargs, "refused", (), f"refused: {feature}{shown}" + (f"; {fix}" if fix else ""), translate)
 
 
@@ -479,7 +480,7 @@ def like_train(name: str, nargs: str, train_flags: tuple[str, str], feature: str
 
 def critic_like_actor(setting: str, nargs: str, flat: str) -> Twin:
     return like_train(f"--critic.{setting}", nargs, (f"--actor.{setting}", flat),
-                      f"a critic {setting.removeprefix('adam.')} of its own (the critic uses the policy's)")
+                      "optimizer settings of the critic's own (it takes the policy's, but for --critic.adam.lr)")
 
 
 def rl() -> list[Twin]:

@@ -278,7 +278,7 @@ def test_a_setting_openrlhf_ignores_alone_is_said_and_sets_nothing(argv, note):
     (["--data.max_len", "2048"], "without --rollout.max_new_tokens"),
     (["--reward.remote_url", "http://a,http://b"], "several reward servers"),
     (["--reward.remote_url", "reward_func.py"], "OpenRLHF's reward_func(queries, prompts, labels)"),
-    (["--critic.adam.betas", "0.9", "0.99"], "a critic betas of its own"),
+    (["--critic.adam.betas", "0.9", "0.99"], "optimizer settings of the critic's own"),
     (["--rollout.max_tokens_per_gpu", "8192", "--train.max_tokens_per_gpu", "16384"], "a token cap"),
     (["--reward.overlong_buffer_len", "10.5"], "a whole number"),
 ])
@@ -302,3 +302,18 @@ def test_help_shows_both_names(capsys):
     assert "--pretrain PRETRAIN" in out and "(OpenRLHF 0.11: --actor.model_name_or_path)" in out
     assert "(OpenRLHF 0.11: --actor.adam.lr)" in out and "refused, or accepted at the value" in out
     assert "--ds.deepcompile" in out and "docs/openrlhf.md" in out
+
+
+def test_the_docs_page_holds_the_whole_table():
+    import sys
+
+    sys.path.insert(0, str(DATA))
+    try:
+        import docs_tables
+    finally:
+        sys.path.remove(str(DATA))
+    page = docs_tables.DOCS.read_text()
+    assert f"{docs_tables.BEGIN}\n{docs_tables.tables()}\n{docs_tables.END}" in page, \
+        "docs/openrlhf.md is behind the table: run python tests/data/openrlhf_0_11/docs_tables.py"
+    for flags in openrlhf_flags().values():
+        assert all(f"| `{flag}` |" in page for flag in flags)
