@@ -26,6 +26,7 @@ holds the 402 names read from 0.11.0's source, and a test holds the table agains
 from __future__ import annotations
 
 import os
+import textwrap
 from dataclasses import dataclass
 from typing import Callable
 
@@ -746,8 +747,12 @@ def help_epilog(command: str) -> str | None:
     if not table:
         return None
     kinds = {kind: [t.name for t in table.values() if t.kind == kind] for kind in ("accepted", "refused")}
-    return ("OpenRLHF 0.11 flags: each flag above names its OpenRLHF twin (e.g. --pretrain, "
-            "--model.model_name_or_path); both names work and give the same config.yaml.\n"
-            f"  accepted, nothing to set (openpack does this already): {' '.join(kinds['accepted'])}\n"
-            f"  refused, or accepted at the value that leaves it off: {' '.join(kinds['refused'])}\n"
-            "  What each means, and the values whose meaning differs: docs/openrlhf.md")
+    lines = [("OpenRLHF 0.11 flags: each flag above names its OpenRLHF twin (e.g. --pretrain, "
+              "--model.model_name_or_path); both names work and give the same config.yaml."),
+             "accepted, nothing to set (openpack does this already, or it is not used in this run): "
+             + " ".join(kinds["accepted"]),
+             "refused (openpack lacks the feature), or accepted at the value that leaves it off: "
+             + " ".join(kinds["refused"]),
+             "What each means, and the values whose meaning differs: docs/openrlhf.md"]
+    return "\n".join(textwrap.fill(line, 100, initial_indent="  " * bool(i), subsequent_indent="    ")
+                     for i, line in enumerate(lines))

@@ -300,7 +300,7 @@ def test_help_shows_both_names(capsys):
     assert exit.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--pretrain PRETRAIN" in out and "(OpenRLHF 0.11: --actor.model_name_or_path)" in out
-    assert "(OpenRLHF 0.11: --actor.adam.lr)" in out and "refused, or accepted at the value" in out
+    assert "(OpenRLHF 0.11: --actor.adam.lr)" in out and "refused (openpack lacks the feature), or accepted at the value" in out
     assert "--ds.deepcompile" in out and "docs/openrlhf.md" in out
 
 
