@@ -141,9 +141,7 @@ def datasets(name: str, flag: str, split_flag: str) -> Twin:
 def split(name: str, datasets_flag: str, flag: str) -> Twin:
     """The split of ``datasets_flag``'s hub datasets (applied there, to ``flag``'s values); train is openpack's."""
     def translate(values: list[str], given: Given):
-        if values == ["train"]:
-            return [], None
-        if not given.has(datasets_flag):
+        if values != ["train"] and not given.has(datasets_flag):
             raise ConfigError(f"{name} {values[0]} is the split of {datasets_flag}'s hub datasets: give "
                               f"{datasets_flag} too, or name the split as name@split")
         return [], None
@@ -194,7 +192,6 @@ MUON = "the Muon optimizer (openpack trains with AdamW)"
 def optimizer(prefix: str, lr_flag: str) -> list[Twin]:
     """``--optim`` / ``--actor.optim`` and their ``muon.*`` and ``adam.*`` flags, the schedule and clipping."""
     dot = f"--{prefix}." if prefix else "--"
-    flat = dot if prefix else "--"
     return [
         missing(f"{dot}optim", "1", MUON, off=("adam",)),
         missing(f"{dot}muon.lr", "1", MUON),
@@ -206,10 +203,10 @@ def optimizer(prefix: str, lr_flag: str) -> list[Twin]:
         same(f"{dot}adam.betas", "--adam_betas", "2"),
         same(f"{dot}adam.eps", "--adam_epsilon"),
         same(f"{dot}adam.weight_decay", "--weight_decay"),
-        lr_scheduler(f"{flat}lr_scheduler", "--lr_scheduler"),
-        same(f"{flat}lr_warmup_ratio", "--lr_warmup_ratio"),
-        same(f"{flat}min_lr_ratio", "--min_lr_ratio"),
-        same(f"{flat}max_norm", "--max_norm", meaning="`--max_norm` (0: no clipping)"),
+        lr_scheduler(f"{dot}lr_scheduler", "--lr_scheduler"),
+        same(f"{dot}lr_warmup_ratio", "--lr_warmup_ratio"),
+        same(f"{dot}min_lr_ratio", "--min_lr_ratio"),
+        same(f"{dot}max_norm", "--max_norm", meaning="`--max_norm` (0: no clipping)"),
     ]
 
 
