@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from openpack.config import openrlhf
 from openpack.config.schema import ConfigError, RunConfig, special_values
 from openpack.orchestration.launch import launched_by_environment
 
@@ -43,14 +44,21 @@ def run_training(command: TrainingCommand, argv: list[str] | None) -> int:
     from openpack.models.loading import ModelLoadError
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    argv, demo_notice = with_demo_defaults(argv, command.name, demo_config(command, argv), command.data_flag)
+    try:  # OpenRLHF 0.11's names become openpack's first: every step below sees one command line
+        translated = openrlhf.translate(command.name, argv)
+    except ConfigError as err:
+        return refused(command.name, err, 2)
+    argv, demo_notice = with_demo_defaults(translated.argv, command.name, demo_config(command, translated.argv),
+                                           command.data_flag)
+    epilog = "\n\n".join(text for text in (openrlhf.help_epilog(command.name), command.epilog) if text)
     try:
         cfg = command.run_config.parse(argv, f"openpack {command.name}", command.description,
-                                       aliases=command.aliases, epilog=command.epilog)
+                                       aliases=command.aliases, epilog=epilog or None,
+                                       twins=openrlhf.help_names(command.name))
         cfg = command.prepare(cfg)
     except (ConfigError, DataError, ModelLoadError) as err:
         return refused(command.name, err, 2)
-    announce(command.name, cfg, demo_notice)
+    announce(command.name, cfg, demo_notice, translated.notes)
     from openpack.rl.agents.runner import EnvFailureError
     from openpack.rl.rewards import RewardError
 
@@ -88,10 +96,13 @@ def with_demo_defaults(argv: list[str], command: str, demo_config: Path,
     return ["--config", str(demo_config), *argv], notice
 
 
-def announce(command: str, cfg: RunConfig, demo_notice: str | None) -> None:
-    """What is about to run: the demo notice, and every flag whose value has a meaning of its own."""
+def announce(command: str, cfg: RunConfig, demo_notice: str | None, accepted: list[str] | None = None) -> None:
+    """What is about to run: the demo notice, the OpenRLHF flags accepted with nothing to set (one line each), and
+    every flag whose value has a meaning of its own."""
     if demo_notice:
         print(demo_notice)
+    for note in accepted or []:
+        print(f"openpack {command}: {note}")
     special = special_values(*cfg.sections())
     if special:
         print(f"openpack {command}: " + "; ".join(special))

@@ -202,12 +202,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str, description: str, *config_classes: type,
-                 aliases: dict[str, tuple[str, Any]] | None = None, epilog: str | None = None) -> argparse.ArgumentParser:
+                 aliases: dict[str, tuple[str, Any]] | None = None, epilog: str | None = None,
+                 twins: dict[str, list[str]] | None = None) -> argparse.ArgumentParser:
     """One ``--name`` flag per field of ``config_classes`` (plus ``--config`` and ``aliases``).
 
     Every flag defaults to a private sentinel, so ``parse_config`` can tell which
     flags the user gave; the help text shows the field's real default, range and
-    special values. ``epilog`` is printed as written after the flags.
+    special values, and the other names that set it (``twins``: field -> OpenRLHF 0.11
+    flags, which ``config.openrlhf`` translates before parsing). ``epilog`` is printed
+    as written after the flags.
     """
     specs = _specs(config_classes)
     # allow_abbrev=False: a typo like --lr must not silently mean --lr_warmup_ratio
@@ -220,7 +223,8 @@ def build_parser(prog: str, description: str, *config_classes: type,
         group = parser.add_argument_group(cls.__name__, doc.strip().split("\n")[0] or None)
         for name in (f.name for f in dataclasses.fields(cls) if f.init):
             s = specs[name]
-            kw: dict[str, Any] = {"dest": name, "default": _UNSET, "help": _help_text(s).replace("%", "%%")}
+            help_text = _help_text(s) + (f" (OpenRLHF 0.11: {', '.join(twins[name])})" if name in (twins or {}) else "")
+            kw: dict[str, Any] = {"dest": name, "default": _UNSET, "help": help_text.replace("%", "%%")}
             if s.scalar is bool and not s.is_list:
                 kw["action"] = _BoolFlag
             else:
@@ -274,13 +278,14 @@ def _load_yaml(path: str, specs: dict[str, _Spec]) -> dict[str, Any]:
 
 
 def parse_config(argv: list[str] | None, prog: str, description: str, *config_classes: type,
-                 aliases: dict[str, tuple[str, Any]] | None = None, epilog: str | None = None) -> tuple:
+                 aliases: dict[str, tuple[str, Any]] | None = None, epilog: str | None = None,
+                 twins: dict[str, list[str]] | None = None) -> tuple:
     """Parse ``argv`` into one instance per class (same order), then call each ``validate()``.
 
     Defaults < ``--config`` YAML < flags given. Bad YAML, a number out of its field's range and
     ``validate`` failures raise ``ConfigError``; bad flags exit through argparse (status 2), as usual.
     """
-    parser = build_parser(prog, description, *config_classes, aliases=aliases, epilog=epilog)
+    parser = build_parser(prog, description, *config_classes, aliases=aliases, epilog=epilog, twins=twins)
     specs = _specs(config_classes)
     ns = parser.parse_args(argv)
     values = _load_yaml(ns.config, specs) if ns.config else {}
