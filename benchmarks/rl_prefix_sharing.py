@@ -4,6 +4,12 @@ rollout batch, prompt + completion per completion vs prompt | completion | ... p
     python benchmarks/rl_prefix_sharing.py                 # long prompts: 384 tokens, completions <= 64, n = 8
     python benchmarks/rl_prefix_sharing.py --smoke         # seconds: a tiny model and batch (CI)
     python benchmarks/rl_prefix_sharing.py --model 0.5b --device cuda --dtype bfloat16   # a GPU (torch varlen)
+    python benchmarks/rl_prefix_sharing.py --rss --prompt_len 320 --completion_range 32 32 --max_tokens 1728
+        # CPU memory: each arm's pass in a fresh process, its peak RSS above what the process held before it
+
+``--rss`` is issue 42's case: rows capped at 1728 tokens (the automatic cap of a train_grpo run on that model),
+where the unshared layout fits 4 prompt + completion copies a row and the shared one 3 whole groups, so a shared
+row holds more tokens; its pass must still peak lower.
 
 The model is grpo_vs_trl.py's random 9.8M Llama (fp32, random init), or with ``--model 0.5b`` gpu_mfu.py's
 Qwen2.5-0.5B shape (vocabulary 151,936, tied embeddings; random init); the batch is random token ids: 4 prompts of
@@ -16,7 +22,12 @@ step's other parts (generation, optimizer) are not here.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -62,7 +73,14 @@ def main() -> None:
     parser.add_argument("--attn_backend", default="auto", help="openpack's packed attention backend")
     parser.add_argument("--profile", action="store_true",
                         help="then one profiled pass per arm: forward alone timed, and torch.profiler's top ops")
+    parser.add_argument("--prompt_len", type=int, default=384)
+    parser.add_argument("--completion_range", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
+    parser.add_argument("--rss", action="store_true",
+                        help="CPU: each arm's peak RSS over one pass, measured in a process of its own")
+    parser.add_argument("--arm", choices=["unshared", "prefix_sharing"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rss and args.arm is None:
+        return rss_arms(args)
     torch.manual_seed(0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     set_attention_backend(args.attn_backend)
@@ -73,7 +91,8 @@ def main() -> None:
     else:
         shape = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=4,
                      num_key_value_heads=2)
-        prompts, n, prompt_len, completion_range, repeats = args.prompts, 8, 384, (16, 64), args.repeats
+        prompts, n, prompt_len, completion_range, repeats = (args.prompts, 8, args.prompt_len,
+                                                             tuple(args.completion_range), args.repeats)
     if args.model == "0.5b" and not args.smoke:
         from gpu_mfu import SIZES, build
 
@@ -87,11 +106,21 @@ def main() -> None:
     rollouts = batch_of(prompts, n, prompt_len, completion_range, vocab, seed=0)
     arms = {}
     for name, shared in (("unshared", False), ("prefix_sharing", True)):
+        if args.arm not in (None, name):
+            continue
         units = Units(rollouts, shared, n, args.max_tokens)
         ids = units.add(range(len(rollouts.completion_tokens)))
         (rows,) = plan_scoring([units.lengths[u] for u in ids], 1, args.max_tokens)
         batches = [collate_packed([s for u in (ids[i] for i in row) for s in units.segments(u)]) for row in rows]
         arms[name] = {"rows": [b.to(device) for b in batches], "tokens": sum(b.num_tokens for b in batches), "times": []}
+    if args.arm is not None:  # --rss: this process's one pass
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        one_pass(module, arms[args.arm]["rows"], device)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        arm = arms[args.arm]
+        print(json.dumps({"tokens": arm["tokens"], "rows": len(arm["rows"]), "row_tokens": [b.num_tokens for b in
+                          arm["rows"]], "before_mib": before / 1024, "peak_mib": peak / 1024}))
+        return None
     for arm in arms.values():
         one_pass(module, arm["rows"], device)  # warm-up
     for _ in range(repeats):
@@ -120,6 +149,28 @@ def main() -> None:
     if args.profile:
         for name, arm in arms.items():
             profile_pass(name, module, arm["rows"], device)
+
+
+def rss_arms(args) -> None:
+    """Each arm in a fresh process of one torch thread (the same model, batch and rows), one pass after the model
+    and rows are built: the pass's peak RSS above the process's peak before it. CPU only."""
+    forwarded = ["--max_tokens", str(args.max_tokens), "--prompts", str(args.prompts), "--prompt_len",
+                 str(args.prompt_len), "--completion_range", *map(str, args.completion_range),
+                 *(["--smoke"] if args.smoke else []), "--attn_backend", args.attn_backend, "--rss"]
+    results = {}
+    for arm in ("unshared", "prefix_sharing"):
+        out = subprocess.run([sys.executable, __file__, *forwarded, "--arm", arm], capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True).stdout
+        results[arm] = json.loads(out.strip().splitlines()[-1])
+    print(f"peak RSS of one pass (fwd + bwd), CPU, 1 thread; {args.prompts} prompts of {args.prompt_len} tokens x 8 "
+          f"completions of {args.completion_range[0]}-{args.completion_range[1]} tokens; rows <= {args.max_tokens}")
+    print("| arm | tokens computed | rows (tokens each) | peak RSS above the start (MiB) |")
+    print("|---|---:|---|---:|")
+    for arm, r in results.items():
+        print(f"| {arm} | {r['tokens']} | {len(r['row_tokens'])} ({', '.join(map(str, r['row_tokens']))}) | "
+              f"{r['peak_mib'] - r['before_mib']:.0f} |")
+    plain, shared = (results[a]["peak_mib"] - results[a]["before_mib"] for a in ("unshared", "prefix_sharing"))
+    print(f"prefix sharing: {shared / plain:.2f}x the unshared pass's peak memory")
 
 
 def profile_pass(name: str, module, rows, device: torch.device) -> None:

@@ -216,6 +216,19 @@ def test_rl_prefix_sharing_smoke():
     assert rows["prefix_sharing"] < rows["unshared"]
 
 
+@pytest.mark.slow
+def test_rl_prefix_sharing_rss_smoke():
+    """--rss: each arm's pass in a process of its own, a peak for each; the memory ratio itself is the
+    benchmark's (docs/benchmarks.md), not a test's."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "rl_prefix_sharing.py"), "--smoke", "--rss"],
+                            capture_output=True, text=True, timeout=HANG_S, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    peaks = {line.split("|")[1].strip(): float(line.split("|")[4]) for line in result.stdout.splitlines()
+             if line.startswith("| unshared") or line.startswith("| prefix_sharing")}
+    assert set(peaks) == {"unshared", "prefix_sharing"} and min(peaks.values()) >= 0, result.stdout
+    assert "x the unshared pass's peak memory" in result.stdout
+
+
 def test_cpu_attention_smoke():
     """benchmarks/cpu_attention.py --smoke: the padded arm's outputs match the per-length path's (the script exits
     1 when any arm differs by more than 1e-4), plain and prefix-shared rows, forward and backward."""
