@@ -17,7 +17,12 @@ import torch
 import openpack.rl.update
 import openpack.trainers.sft_worker
 from openpack.cli import train_dpo, train_grpo, train_sft
-from openpack.distributed.process import free_port
+from openpack.core.batch import collate_packed
+from openpack.distributed.engine import ChunkedAdamW, OptimConfig, ZeroConfig, create_engine, optimizer_step
+from openpack.distributed.process import free_port, init_distributed
+from openpack.models.packed import PackedCausalLM
+from openpack.models.tiny import tiny_causal_lm
+from openpack.models.verify import random_segments
 
 from hang_guard import HANG_S
 from saved_runs import load_weights, read_metrics, write_pairs
@@ -86,6 +91,42 @@ def test_a_diverging_dpo_run_stops_and_saves_nothing_nonfinite(tmp_path, tiny_pr
     assert_stopped_with_one_line(code, err, "train_dpo")
     assert_nothing_nonfinite_saved(run)
     read_metrics(run)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_skipped_step_changes_nothing_at_any_zero_stage(stage):
+    """Each DeepSpeed path (stage 0: our AdamW alone; ZeRO-2 and ZeRO-3: DeepSpeed's optimizers around it): a step
+    with a NaN loss leaves AdamW's weights (ZeRO's fp32 master), moments, step count and the learning rate as they
+    were; the next finite step is applied."""
+    dist = init_distributed()
+    optim = OptimConfig(1e-3, 0.0, (0.9, 0.95), "linear", 2, 10, 0.1, 100.0)
+    engine = create_engine(PackedCausalLM(tiny_causal_lm("qwen2", seed=5)), optim,
+                           ZeroConfig(stage, False, False, False, param_persistence_threshold=0), 1)
+    inner = engine.optimizer if isinstance(engine.optimizer, ChunkedAdamW) else engine.optimizer.optimizer
+    batch = collate_packed(random_segments([5, 9, 3], 256, 0)).to(dist.device)
+
+    def step(poison: bool):
+        engine.set_gradient_accumulation_boundary(True)
+        loss = -engine(batch).sum() / 14
+        engine.backward(loss)
+        optimizer_step(engine, loss.detach() * (float("nan") if poison else 1.0))
+
+    def state():  # ZeRO-3 hands AdamW its fp32 partitions one sub-group at a time: read them where they are kept
+        weights = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or [
+            p for group in inner.param_groups for p in group["params"]]
+        return [engine.get_lr()[0]] + [t.detach().clone() for p in weights for t in (p, *inner.state[p].values())]
+
+    step(False)
+    before = state()
+    assert len(before) > 3  # weights, moments and step counts were read
+    step(True)
+    after = state()
+    assert engine.step_guard.skipped == 1 and after[0] == before[0]
+    for x, y in zip(after[1:], before[1:]):
+        assert torch.equal(x, y)
+    step(False)
+    assert engine.step_guard.skipped == 1 and engine.get_lr()[0] != before[0]
+    assert not torch.equal(state()[1], before[1])
 
 
 INJECTED = ["--train_batch_size", "8", "--max_steps", "4", "--learning_rate", "1e-3", "--lr_scheduler", "constant",
