@@ -222,7 +222,8 @@ def check(out: pathlib.Path, only: list[str] | None = None) -> int:
         shutil.rmtree(out / name, ignore_errors=True)  # this script's own run folder: every check starts afresh
         result = run(name, argv, out / "logs")
         metrics = read_metrics(out / name)
-        result["loss"] = [round(m["loss"], 4) for m in metrics if "loss" in m]
+        # null: a step skipped for a non-finite loss (metrics.jsonl is strict JSON)
+        result["loss"] = [None if m["loss"] is None else round(m["loss"], 4) for m in metrics if "loss" in m]
         if name == "grpo":
             result["vllm_logp_diff"] = [m.get("vllm_logp_diff") for m in metrics]
             result["reward"] = [m.get("reward") for m in metrics]

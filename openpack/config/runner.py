@@ -5,8 +5,8 @@ on into one line on stderr and an exit code.
 A command is a ``TrainingCommand``: its name, its run config, its demo, its checks and its training, all values,
 so ``run_training`` serves the five commands and also runs one command as another's first stage (the demos chain
 SFT -> RM -> PPO; ``commands.py``). The exit codes: 2 for input to fix (a flag, a file, a model, a taken save
-path), 1 for a run that a reward or an environment stopped midway; the launcher adds its own (``launch.py``:
-1 for a dead rank, 130 and 143 for Ctrl-C and SIGTERM).
+path), 1 for a run that a reward, an environment or non-finite steps (``distributed/nonfinite.py``) stopped
+midway; the launcher adds its own (``launch.py``: 1 for a dead rank, 130 and 143 for Ctrl-C and SIGTERM).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def run_training(command: TrainingCommand, argv: list[str] | None) -> int:
     except (ConfigError, DataError, ModelLoadError) as err:
         return refused(command.name, err, 2)
     announce(command.name, cfg, demo_notice, translated.notes)
+    from openpack.distributed.nonfinite import NonFiniteStop
     from openpack.rl.agents.runner import EnvFailureError
     from openpack.rl.rewards import RewardError
 
@@ -67,8 +68,8 @@ def run_training(command: TrainingCommand, argv: list[str] | None) -> int:
             return command.train(cfg)
     except (DataError, ModelLoadError, CheckpointError) as err:
         return refused(command.name, err, 2)
-    except (RewardError, EnvFailureError) as err:  # a reward or environment that failed mid-run: its message
-        return refused(command.name, err, 1)  # names it and the batch
+    except (RewardError, EnvFailureError, NonFiniteStop) as err:  # a reward or environment that failed mid-run,
+        return refused(command.name, err, 1)  # or a diverged run: its message names the batch or the step
 
 
 def refused(command: str, err: Exception, code: int) -> int:

@@ -105,6 +105,10 @@ class TrainConfig:
     adam_epsilon: float = arg(1e-8, "AdamW epsilon, added to the root of the second moment (TRL's adam_epsilon)",
                               above=0)
     max_norm: float = arg(1.0, "gradient clipping norm", at_least=0, special={0.0: "no gradient clipping"})
+    max_nonfinite_steps: int | None = arg(None, "stop the run (exit 1) after this many optimizer steps in a row whose "
+                                          "loss or gradient norm is inf or NaN; each such step is skipped on every "
+                                          "rank (no update) and counted", at_least=1,
+                                          special={None: "3 in a row stop the run"})
     seed: int = arg(42, "seed for data order and initialisation", at_least=0)
 
     def validate(self):

@@ -51,6 +51,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from openpack.distributed.nonfinite import refuse_nonfinite
 from openpack.distributed.process import barrier
 from openpack.distributed.save_path import (LATEST, META_FILE, TAG_PREFIX, CheckpointError, checkpoint_run_id,
                                             checkpoint_tags, read_json, tag_step, write_text_atomic)
@@ -185,6 +186,7 @@ def save_hf_model(engine, tokenizer, out_dir: Path, is_main: bool, adapter_dir: 
     adapter_tmp = adapter_dir.with_name(f".{adapter_dir.name}.tmp") if adapter_dir else None
     params = list(model.parameters())
     intact = f"{out_dir} is as it was" if out_dir.exists() else f"nothing was written to {out_dir}"
+    refuse_nonfinite(model, f"the model {out_dir} ({intact})")
     with _disk_full_is_an_error(out_dir, tmp, "the model", intact):
         with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
             if is_main:
@@ -222,6 +224,8 @@ def save_checkpoint(engine, tokenizer, ckpt_path, step: int, client_state: dict,
     staging = ckpt_path / f".{tag}.tmp"
     previous = read_latest(ckpt_path)
     intact = f"the previous checkpoint {ckpt_path / previous} is intact" if previous else "no earlier checkpoint exists"
+    for name, module in (("", engine.module), *((f" ({name})", c.module) for name, c in (companions or {}).items())):
+        refuse_nonfinite(module, f"checkpoint {ckpt_path / tag}{name} ({intact})")
     with _disk_full_is_an_error(ckpt_path / tag, staging, "checkpoint", intact):
         if is_main:
             ckpt_path.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adamw import adamw
 
+from openpack.distributed.nonfinite import DEFAULT_MAX_IN_A_ROW, StepGuard
 from openpack.models.memory import MEMORY_TRACE, mark_memory, release_freed_memory
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -36,6 +37,7 @@ class OptimConfig:
     min_lr_ratio: float
     max_norm: float
     adam_epsilon: float = 1e-8
+    max_nonfinite_steps: int = DEFAULT_MAX_IN_A_ROW  # non-finite steps in a row that stop the run (nonfinite.py)
 
 
 @dataclass
@@ -137,12 +139,13 @@ class ChunkedAdamW(torch.optim.AdamW):
     parameter on top of the states at the step, +1 GB on a 132M model (measured on CPU). Stepped chunk by chunk,
     the temporaries are one chunk's, and each element sees the same arithmetic as in ``torch.optim.AdamW``'s
     single-tensor step (bitwise equal: ``tests/unit/test_chunked_adamw.py``); the state is AdamW's, so checkpoints
-    are unchanged.
+    are unchanged. Every DeepSpeed path steps it after taking the gradient norm, so it is where a non-finite step
+    is skipped: ``guard`` (``nonfinite.StepGuard``) decides, and a skipped step changes nothing here.
     """
 
-    def __init__(self, params, chunk: int = STEP_CHUNK, **kwargs):
+    def __init__(self, params, chunk: int = STEP_CHUNK, guard: StepGuard | None = None, **kwargs):
         super().__init__(params, foreach=False, **kwargs)
-        self.chunk = chunk
+        self.chunk, self.guard = chunk, guard
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -150,6 +153,8 @@ class ChunkedAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.guard is not None and self.guard.skips():
+            return loss  # a non-finite step: weights, moments and step counts stay as they were
         for group in self.param_groups:
             if group["amsgrad"] or group["capturable"] or group["differentiable"] or group["fused"]:
                 raise ValueError("ChunkedAdamW steps plain AdamW only")
@@ -171,6 +176,16 @@ class ChunkedAdamW(torch.optim.AdamW):
                               maximize=group["maximize"])
                 state["step"] += 1
         return loss
+
+
+class UpdateLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR that moves on with the updates applied: not for a step its optimizer's guard skipped (the schedule
+    counts updates; ``nonfinite.py`` says why)."""
+
+    def step(self, epoch=None):
+        guard = getattr(self.optimizer, "guard", None)
+        if guard is None or not guard.skips():
+            super().step(epoch)
 
 
 def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -217,11 +232,12 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
 
     if optim.lr_scheduler not in SCHEDULES:
         raise ValueError(f"--lr_scheduler must be one of {SCHEDULES}, got {optim.lr_scheduler!r}")
+    guard = StepGuard(optim.max_nonfinite_steps)
     optimizer = ChunkedAdamW(
         _param_groups(module, optim.weight_decay), lr=optim.learning_rate, betas=optim.adam_betas,
-        eps=optim.adam_epsilon
+        eps=optim.adam_epsilon, guard=guard
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim))
+    scheduler = UpdateLambdaLR(optimizer, lr_lambda(optim))
     _no_muon_import()
     _zero_supports_chunked_adamw()
     mark_memory("before engine init")
@@ -233,6 +249,7 @@ def create_engine(module: torch.nn.Module, optim: OptimConfig, zero: ZeroConfig,
         config=deepspeed_config(zero, optim.max_norm, world_size, trained),
     )
     _share_fp32_master(engine.optimizer)
+    guard.engine, engine.step_guard = engine, guard
     if zero.stage == 0 and world_size == 1:
         engine.enable_backward_allreduce = False  # one rank: nothing to average, and it would copy every gradient
     if zero.stage == 3:
@@ -321,7 +338,7 @@ def _share_fp32_master(optimizer) -> None:
         optimizer._link_all_hp_params()
 
 
-def optimizer_step(engine) -> torch.Tensor | float:
+def optimizer_step(engine, loss: torch.Tensor | None = None) -> torch.Tensor | float:
     """``engine.step()`` at a step boundary; returns the global gradient norm before clipping, unread.
 
     DeepSpeed reports the norm from its ZeRO and bf16 optimizers (a device
@@ -329,10 +346,17 @@ def optimizer_step(engine) -> torch.Tensor | float:
     taken from the already-averaged gradients before they are applied. It is
     returned as it is: reading it (``float``) waits for the device, which the
     step leaves to the logged steps (``trainers/metrics.py``).
+
+    ``loss``: this rank's share of the step's loss (a device scalar). With it the update is applied only if the
+    loss over every rank and the norm are finite (``nonfinite.StepGuard``: one host read; ``engine.step_guard``
+    counts the skips, and raises ``NonFiniteStop`` after --max_nonfinite_steps of them in a row).
     """
     own_norm = None
     if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
         own_norm = torch.nn.utils.get_total_norm(grads)
+    if loss is not None:
+        engine.step_guard.arm(loss, own_norm)
     engine.step()
+    engine.step_guard.settle()
     return own_norm if own_norm is not None else engine.get_global_grad_norm()

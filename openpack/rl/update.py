@@ -4,7 +4,9 @@ token over the step's totals; one host sync reads every step's metrics together.
 
 Each step's loop is written out as in ``trainers/sft.py``: per micro-batch a forward, the loss, a backward (times
 the world size: DeepSpeed's mean over ranks undone), statistics added on the device by name, and the optimizer
-step at the last micro-batch. Nothing is read to the host inside a step (``tests/integration/test_step_syncs.py``).
+step at the last micro-batch. Inside a step one pair of numbers is read to the host, at the optimizer step: its loss
+and grad norm, to skip a non-finite update (``distributed/nonfinite.py``); none per micro-batch
+(``tests/integration/test_step_syncs.py``).
 """
 
 from __future__ import annotations
@@ -78,13 +80,13 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
         loss = (terms.loss * weights).sum()
         aux_loss, aux_sums = router_aux.term(host_batch.num_tokens)  # the host batch: no device sync
         engine.backward((loss + aux_loss) * dist.world_size)
-        grad_norm = _boundary_step(engine, last, grad_norm)
         corrections = _correction_sums(terms, segment_ids, len(ids)) if correcting else {}
         if correcting:
             ratio_max = torch.maximum(ratio_max, terms.is_ratio.max())
         sums.add(loss=loss, clipped=terms.clipped.sum(), tis_clipped=terms.tis_clipped.sum(),
                  entropy=entropy.detach().sum(), mismatch=(old - behaviour).abs().sum(), kl=terms.kl.sum(),
                  tokens=logp.numel(), **corrections, **aux_sums)
+        grad_norm = _boundary_step(engine, last, grad_norm, sums)
 
     def metrics(totals: dict[str, float]) -> dict:
         tokens = max(totals["tokens"], 1)
@@ -96,7 +98,7 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
                     "is_correction/masked_sequences": totals["masked_sequences"] / max(totals["sequences"], 1),
                     "is_correction/ratio_mean": totals["ratio"] / tokens} if correcting else {})}
 
-    values = {"grad_norm": grad_norm}
+    values = {"grad_norm": grad_norm, "skipped_steps": engine.step_guard.skipped}
     if correcting:  # a collective on the device, once per step: read with the sums
         values["is_correction/ratio_max"] = maximum_over_ranks(ratio_max)
     return StepMetrics(sums, metrics, values)
@@ -111,8 +113,8 @@ def _correction_sums(terms, segment_ids: torch.Tensor, sequences: int) -> dict[s
 
 
 def _over_steps(key: str, values: list[float]) -> float:
-    """A metric over a rollout batch's optimizer steps: the largest of a maximum, else the mean."""
-    return max(values) if key.endswith("_max") else sum(values) / len(values)
+    """A metric over a rollout batch's optimizer steps: the largest of a maximum or a running count, else the mean."""
+    return max(values) if key.endswith(("_max", "skipped_steps")) else sum(values) / len(values)  # counts so far
 
 
 def critic_step(critic, experience: Experience, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:
@@ -129,24 +131,25 @@ def critic_step(critic, experience: Experience, step: RankStep, settings: RLSett
                             in_batch_order(ids, experience.returns, dist.device), settings.value_clip)
         loss = (terms.loss / step.label_tokens[0]).sum()
         critic.backward(loss * dist.world_size)
-        grad_norm = _boundary_step(critic, last, grad_norm)
         sums.add(loss=loss, clipped=terms.clipped.sum(), values=values.detach().sum(), tokens=values.numel())
+        grad_norm = _boundary_step(critic, last, grad_norm, sums)
 
     def metrics(totals: dict[str, float]) -> dict:
         tokens = max(totals["tokens"], 1)
         return {"critic_loss": totals["loss"], "value_clip_ratio": totals["clipped"] / tokens,
                 "values": totals["values"] / tokens}
 
-    return StepMetrics(sums, metrics, {"critic_grad_norm": grad_norm})
+    return StepMetrics(sums, metrics, {"critic_grad_norm": grad_norm, "critic_skipped_steps": critic.step_guard.skipped})
 
 
-def _boundary_step(engine, last: bool, grad_norm):
-    """After a micro-batch's backward: the optimizer step at the step's last (its grad norm, unread, a copy of its
+def _boundary_step(engine, last: bool, grad_norm, sums: DeviceSums):
+    """After a micro-batch's backward and its ``sums``: the optimizer step at the step's last, applied only if the
+    step's loss (``sums``' "loss" over every rank) and grad norm are finite (its grad norm, unread, a copy of its
     own since DeepSpeed reuses the tensor), else only DeepSpeed's micro-step count."""
     if not last:
         engine.step()
         return grad_norm
-    norm = optimizer_step(engine)
+    norm = optimizer_step(engine, sums.get("loss"))
     return norm.clone() if isinstance(norm, torch.Tensor) else norm
 
 

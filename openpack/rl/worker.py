@@ -146,6 +146,7 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
     run = TrainingRun(model, tokenizer, batches, cfg, dist, save_config,
                       optimizer_steps=optimizer_steps, companions={"critic": critic} if critic else None,
                       extra_state=lambda: {"kl_controller": kl_ctl.state_dict(), "empty_steps": empty.in_a_row})
+    run.engine.step_guard.name = "policy"  # its optimizer steps are not the rollout steps: named in its lines
     if not settings.async_staleness:  # asynchronous, the difference also measures staleness (docs/rl.md)
         run.tracker.watch(logp_diff_limit(model_cfg.bf16))
     if "kl_controller" in run.resumed_state:
@@ -290,7 +291,9 @@ def critic_engine(cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):
                               load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
     model = apply_lora(model, model_cfg, head=HEAD)
     optim = optim_config(replace(train_cfg, learning_rate=rl_cfg.critic_learning_rate), optimizer_steps)
-    return create_engine(PackedValueModel(model), optim, zero_config(model_cfg, dist), dist.world_size)
+    engine = create_engine(PackedValueModel(model), optim, zero_config(model_cfg, dist), dist.world_size)
+    engine.step_guard.name = "critic"
+    return engine
 
 
 def reward_scorers(cfg, dist, reward_groups) -> list | None:

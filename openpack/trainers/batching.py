@@ -143,9 +143,9 @@ def warn_if_memory_short(model, model_cfg, train_cfg, max_len: int, dist, segmen
 def step_metrics(step: RankStep, engine, grad_norm, sums: DeviceSums, finish, start: float,
                  rates: dict[str, float] | None = None) -> StepMetrics:
     """A step's metrics, read when logged: ``finish(totals)`` of the ``sums`` over every rank, and what every
-    trainer reports besides its loss: lr, grad norm, tokens, speed (``rates`` adds e.g. pairs/s), packing."""
-    values = {"lr": engine.get_lr()[0], "grad_norm": grad_norm, "tokens": step.real_tokens,
-              "micro_batches": len(step.micro_batches)}
+    trainer reports besides its loss: lr, grad norm, the non-finite steps skipped so far, tokens, speed (``rates`` adds e.g. pairs/s), packing."""
+    values = {"lr": engine.get_lr()[0], "grad_norm": grad_norm, "skipped_steps": engine.step_guard.skipped,
+              "tokens": step.real_tokens, "micro_batches": len(step.micro_batches)}
     if step.packing_efficiency is not None:
         values["packing_efficiency"] = step.packing_efficiency
     return StepMetrics(sums, finish, values, {**(rates or {}), "tokens_per_s": step.real_tokens}, start)

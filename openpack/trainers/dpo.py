@@ -105,8 +105,8 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
             loss = losses.sum() * scale
         aux_loss, aux_sums = router_aux.term(tokens)  # after the policy's forward, not the reference's
         engine.backward(loss + aux_loss * dist.world_size)
-        grad_norm = optimizer_step(engine) if last else engine.step()
         sums.add(**pair_stats(logps, losses, objective.params.beta), **aux_sums)
+        grad_norm = optimizer_step(engine, sums.get("loss") / pairs) if last else engine.step()
     return step_metrics(step, engine, grad_norm, sums, lambda totals: {
         **{name: totals[name] / pairs for name in STATS}, "pairs": pairs, **router_aux.metrics(totals)},
         start, {"pairs_per_s": pairs})

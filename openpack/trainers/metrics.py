@@ -43,6 +43,10 @@ class DeviceSums:
             else torch.full((), float(v), dtype=torch.float64, device=device)  # made on the device: no copy
             for v in (values[name] for name in self.names)])
 
+    def get(self, name: str) -> torch.Tensor:
+        """The sum of ``name`` so far: a device scalar, unread (e.g. the step's loss for ``optimizer_step``)."""
+        return self.total[self.names.index(name)]
+
 
 def summed_over_ranks(total: torch.Tensor) -> torch.Tensor:
     """``total`` added over the process group's ranks, on the device (a copy; no host sync with NCCL)."""

@@ -62,8 +62,8 @@ def rm_step(engine, batcher: MicroBatcher, objective: RewardObjective, step: Ran
         margin = None if margins is None else margins[ids]
         losses = reward_pair_losses(chosen, rejected, objective.loss, margin, objective.center_rewards_coefficient)
         engine.backward(losses.sum() * dist.world_size / pairs)
-        grad_norm = optimizer_step(engine) if last else engine.step()
         sums.add(**pair_stats(chosen, rejected, losses))
+        grad_norm = optimizer_step(engine, sums.get("loss") / pairs) if last else engine.step()
     return step_metrics(step, engine, grad_norm, sums,
                         lambda totals: {**{name: totals[name] / pairs for name in STATS}, "pairs": pairs},
                         start, {"pairs_per_s": pairs})

@@ -35,6 +35,7 @@ from openpack.data.loading import DataError, Rows, load_rows
 from openpack.distributed.checkpoint import (RunState, check_resumable, decided_by_main, load_checkpoint,
                                              open_checkpoint, save_checkpoint, save_hf_model)
 from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine, engine_stage
+from openpack.distributed.nonfinite import DEFAULT_MAX_IN_A_ROW
 from openpack.distributed.process import DistInfo, init_distributed
 from openpack.distributed.save_path import checkpoint_dir, claim, resumes, tag_step
 from openpack.models.attention import set_attention_backend
@@ -165,6 +166,8 @@ class TrainingRun:
                                run_id=self.run_id)
         for notice in self.notices:
             self.tracker.message(notice)
+        for engine in (self.engine, *self.companions.values()):  # a skipped step's line, on rank 0's console
+            engine.step_guard.say = self.tracker.message
 
     def _effective_config(self, save_config, pending: Path) -> dict | None:
         """Rank 0: the config this run saves (config.yaml), written to ``pending``; None elsewhere."""
@@ -227,6 +230,7 @@ def optim_config(train_cfg, steps: int) -> OptimConfig:
         total_steps=steps,
         min_lr_ratio=train_cfg.min_lr_ratio,
         max_norm=train_cfg.max_norm,
+        max_nonfinite_steps=train_cfg.max_nonfinite_steps or DEFAULT_MAX_IN_A_ROW,
     )
 
 

@@ -47,11 +47,11 @@ def train_step(engine, batcher: MicroBatcher, step: RankStep, dist: DistInfo, fu
             loss = nll * dist.world_size / denominator
         aux_loss, aux_sums = router_aux.term(tokens)
         engine.backward(loss + aux_loss * dist.world_size)
-        if last:
-            grad_norm = optimizer_step(engine)
+        sums.add(nll=nll, **aux_sums)
+        if last:  # applied only if the step's loss over every rank and its grad norm are finite
+            grad_norm = optimizer_step(engine, sums.get("nll") / denominator)
         else:
             engine.step()  # not a boundary: DeepSpeed only counts the micro-step
-        sums.add(nll=nll, **aux_sums)
     return step_metrics(step, engine, grad_norm, sums, lambda total: {
         "loss": total["nll"] / denominator, "loss_tokens": denominator, "samples": step.samples,
         **router_aux.metrics(total)}, start)

@@ -6,9 +6,9 @@ every step, so a crash keeps every logged step (one small write per step, micros
 against a step of a second or more). A run resumed at step N (``resume_step``) first drops
 the rows past N (a crash after the last checkpoint logged them, and they are trained
 again), so no step appears twice; TensorBoard purges its events past N and W&B continues
-the run with the same id (``run_id``). On a terminal the
-progress is a live ``rich`` bar; elsewhere (CI, pipes, ``nohup``) it is one
-greppable line per step::
+the run with the same id (``run_id``). The file is strict JSON: an inf or NaN (a skipped
+step's loss) is written as null. On a terminal the progress is a live ``rich`` bar;
+elsewhere (CI, pipes, ``nohup``) it is one greppable line per step::
 
     step 3/10  loss 2.346  tokens/s 1234  packing 98.7%  eta 0:00:12
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import socket
 import tempfile
@@ -198,6 +199,13 @@ def forward_console(send) -> None:
     _forward_to = send
 
 
+def json_line(record: dict) -> str:
+    """``record`` as strict JSON: an inf or NaN (a skipped step's loss, ``distributed/nonfinite.py``) is written as
+    null, which every JSON parser reads, where Python's default ``NaN`` is not JSON."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()},
+                      allow_nan=False)
+
+
 class Tracker:
     """Progress, metrics.jsonl, loss.png, W&B and TensorBoard for one run; a no-op when ``enabled=False``."""
 
@@ -260,7 +268,7 @@ class Tracker:
             return
         metrics = {k: v if isinstance(v, int) else float(v) for k, v in metrics.items()}
         if self.metrics_file is not None:
-            self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.metrics_file.write(json_line({"step": step, **metrics}) + "\n")
             self.metrics_file.flush()
         for key in self.history:
             if key in metrics:
@@ -307,8 +315,8 @@ class Tracker:
             for line in f:
                 record = json.loads(line)
                 for key in self.history:
-                    if key in record:
-                        self.history[key].append((record["step"], record[key]))
+                    if key in record:  # null: a non-finite value (json_line), a gap in the plot
+                        self.history[key].append((record["step"], math.nan if record[key] is None else record[key]))
 
     def close(self) -> None:
         """Finish the bar, write loss.png, close metrics.jsonl, W&B and TensorBoard. Safe to call twice."""

@@ -47,8 +47,12 @@ class PlainEngine:
     """What the step functions use of DeepSpeed's engine, on plain torch: AdamW on the weights, no ZeRO."""
 
     def __init__(self, module: torch.nn.Module):
-        self.module, self.boundary = module, True
+        from openpack.distributed.nonfinite import StepGuard
+
+        self.module, self.boundary, self.global_steps = module, True, 0
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        self.step_guard = StepGuard()  # the non-finite check: its one read per step is in openpack/distributed/
+        self.step_guard.engine = self
 
     def __call__(self, batch, **kwargs):
         return self.module(batch, **kwargs)
@@ -61,8 +65,13 @@ class PlainEngine:
 
     def step(self) -> None:
         if self.boundary:
-            self.optimizer.step()
+            if not self.step_guard.skips():
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.global_steps += 1
+
+    def was_step_applied(self) -> bool:
+        return True
 
     def get_lr(self) -> list[float]:
         return [self.optimizer.param_groups[0]["lr"]]

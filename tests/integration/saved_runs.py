@@ -6,9 +6,17 @@ import random
 import torch
 
 
+def strict_json(line: str):
+    """``line`` parsed as strict JSON: Python's ``NaN``/``Infinity`` extensions are refused (metrics.jsonl writes
+    null for them), so every test that reads metrics checks that too."""
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant} in {line.strip()[:200]}")
+    return json.loads(line, parse_constant=refuse)
+
+
 def read_metrics(save_path):
     with open(f"{save_path}/metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+        return [strict_json(line) for line in f]
 
 
 def load_weights(save_path):
