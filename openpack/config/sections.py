@@ -135,9 +135,12 @@ def row_cap(train: TrainConfig) -> tuple[int, str]:
 def check_context_parallel(train: TrainConfig, launch_cfg: LaunchConfig) -> None:
     """--ring_attn_size N splits packed rows over N ranks: it needs --packing_samples and a world size N divides."""
     world, ring = planned_world_size(launch_cfg), train.ring_attn_size or 1
-    if ring > 1 and (not train.packing_samples or world % ring):
-        raise ConfigError(f"--ring_attn_size {ring} needs --packing_samples and a world size it divides "
-                          f"(the run has {world} rank(s)); context parallelism splits packed rows over ranks")
+    if ring > 1 and not train.packing_samples:
+        raise ConfigError(f"--ring_attn_size {ring} needs --packing_samples: context parallelism splits packed rows "
+                          "over ranks")
+    if ring > 1 and world % ring:
+        raise ConfigError(f"--ring_attn_size {ring} needs a world size it divides (the run has {world} rank(s)): "
+                          "each group of that many ranks shares its rows")
 
 
 FUSED_LOSS_HELP = ("compute the LM head, the loss and their gradients in one pass, each chunk's logits once instead "
