@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from openpack.config.schema import ConfigError, arg
 from openpack.config.sections import (DatasetConfig, LaunchConfig, TrainConfig, check_context_parallel,
-                                      check_template_flags, ring_attn_size_arg, row_cap)
+                                      check_template_flags, packed_row_tokens, ring_attn_size_arg)
 
 
 @dataclass
@@ -37,7 +37,7 @@ class PairTrainConfig(TrainConfig):
 def check_pair_layout(data_cfg: PreferenceDataConfig, train_cfg: PairTrainConfig, launch_cfg: LaunchConfig) -> None:
     """A pair lands in one packed row whole; --prefix_sharing needs packing and no context parallelism."""
     check_context_parallel(train_cfg, launch_cfg)
-    cap, flags = row_cap(train_cfg)
+    cap, flags = packed_row_tokens(train_cfg)
     if train_cfg.use_dynamic_batch and 2 * data_cfg.max_len > cap:
         raise ConfigError(
             f"a pair is up to 2 x --max_len = {2 * data_cfg.max_len} tokens, more than {flags}; "

@@ -122,7 +122,7 @@ def ring_attn_size_arg():
                at_least=1, special={None: "no context parallelism (as 1)"})
 
 
-def row_cap(train: TrainConfig) -> tuple[int, str]:
+def packed_row_tokens(train: TrainConfig) -> tuple[int, str]:
     """The most tokens a packed row holds, and its flags in words: --max_tokens_per_gpu, times --ring_attn_size N
     where N ranks share a row."""
     ring = getattr(train, "ring_attn_size", None) or 1

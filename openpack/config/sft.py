@@ -16,7 +16,7 @@ from pathlib import Path
 from openpack.config.schema import ConfigError, RunConfig, arg
 from openpack.config.sections import (FUSED_LOSS_HELP, DatasetConfig, LaunchConfig, ModelConfig, OutputConfig,
                                       TrainConfig, check_consistency, check_context_parallel, check_inputs,
-                                      check_template_flags, ring_attn_size_arg, row_cap)
+                                      check_template_flags, packed_row_tokens, ring_attn_size_arg)
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "sft.yaml"
@@ -63,7 +63,7 @@ def check_sft(cfg: SFTRunConfig) -> SFTRunConfig:
     """The checks across sections, then the model and data files, before Ray, DeepSpeed or a model load."""
     check_context_parallel(cfg.train, cfg.launch)
     check_consistency(cfg.model, cfg.data.dataset, cfg.train, cfg.launch)
-    cap, flags = row_cap(cfg.train)
+    cap, flags = packed_row_tokens(cfg.train)
     if cfg.train.use_dynamic_batch and cfg.data.max_len > cap:
         raise ConfigError(
             f"--max_len {cfg.data.max_len} exceeds {flags}: "

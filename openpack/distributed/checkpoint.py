@@ -414,7 +414,8 @@ def check_resumable(folder: Path, saved: RunState, now: RunState, step: int) -> 
     """Refuse (ResumeMismatch) a resume that would not continue ``saved``'s run exactly; return what changed.
 
     Exact means: the same world size (ZeRO's optimizer state is partitioned per rank, and openpack does
-    not convert it), the same --ring_attn_size (it decides the data-parallel plan), the same ZeRO stage, precision and LoRA adapters (``LORA``), and the same samples in each
+    not convert it), the same --ring_attn_size (it decides the data-parallel plan), the same ZeRO stage,
+    precision and LoRA adapters (``LORA``), and the same samples in each
     of the first ``step`` steps of the new plan (so ``--max_steps``/``--max_epochs`` may grow a run, while a new
     ``--train_batch_size``, ``--seed``, ``--max_len`` or dataset, which would skip or repeat samples,
     is refused). ``now.config`` may be {} (no config known): then only the plan and world size count.

@@ -63,7 +63,8 @@ def join_context(train_cfg, model=None) -> ContextPlace:
     forming the groups is collective). ``model``: one that trains its MoE router loss (a causal LM; a reward
     model does not), refused under a ring."""
     ring = context_parallel_size(train_cfg)
-    if ring > 1 and model is not None and router_loss(model.config) is not None:  # a function of each row's whole token set
+    # the router loss is a function of each row's whole token set
+    if ring > 1 and model is not None and router_loss(model.config) is not None:
         raise UnsupportedModelError(f"--ring_attn_size {ring}: an MoE model's router load-balancing loss is not "
                                     "split over a context group yet; train it without --ring_attn_size")
     return ContextPlace(ring, join_context_group(ring))
