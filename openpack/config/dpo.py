@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.config.preference import PreferenceDataConfig, check_pair_fits, check_prefix_sharing
+from openpack.config.preference import PairTrainConfig, PreferenceDataConfig, check_pair_layout
 from openpack.config.schema import ConfigError, RunConfig, arg
-from openpack.config.sections import (FUSED_LOSS_HELP, LaunchConfig, ModelConfig, OutputConfig, TrainConfig,
+from openpack.config.sections import (FUSED_LOSS_HELP, LaunchConfig, ModelConfig, OutputConfig,
                                       check_consistency, check_inputs)
 from openpack.core.losses import LOSS_SUMMARIES, PAIR_LOSSES, needs_reference
 from openpack.orchestration.launch import launched_by_environment
@@ -76,7 +76,7 @@ class DPORunConfig(RunConfig):
 
     model: ModelConfig
     data: PreferenceDataConfig
-    train: TrainConfig
+    train: PairTrainConfig
     output: OutputConfig
     dpo: DPOConfig
     launch: LaunchConfig
@@ -102,15 +102,28 @@ def check_reference_group(dpo_cfg: DPOConfig, launch_cfg: LaunchConfig) -> None:
         raise ConfigError(f"--loss_type {' '.join(dpo_cfg.loss_type)} uses no reference model: drop --ref_num_nodes")
 
 
+def check_dpo_context_parallel(dpo_cfg: DPOConfig, train_cfg: PairTrainConfig) -> None:
+    """What train_dpo does not split over a context group (--ring_attn_size) yet, refused by name."""
+    ring = train_cfg.ring_attn_size or 1
+    if ring > 1 and dpo_cfg.fused_loss:
+        raise ConfigError(f"--fused_loss with --ring_attn_size {ring}: a pair's gradient needs its log-prob sums over "
+                          "every rank before any rank's logits are freed, which the one-pass loss cannot wait for; "
+                          "drop --fused_loss")
+    if ring > 1 and dpo_cfg.ref_num_nodes:
+        raise ConfigError(f"--ref_num_nodes with --ring_attn_size {ring}: a separate reference group does not split "
+                          "rows over ranks; drop --ref_num_nodes (the reference then runs in the policy's ranks, "
+                          "split like the policy) or --ring_attn_size")
+
+
 def check_dpo(cfg: DPORunConfig) -> DPORunConfig:
     """The checks across sections, then the model and data files, before Ray, DeepSpeed or a model load."""
     model_cfg, data_cfg, train_cfg, dpo_cfg = cfg.model, cfg.data, cfg.train, cfg.dpo
+    check_pair_layout(data_cfg, train_cfg, cfg.launch)
     check_consistency(model_cfg, data_cfg.dataset, train_cfg, cfg.launch)
-    check_pair_fits(data_cfg, train_cfg)
-    check_prefix_sharing(data_cfg, train_cfg)
     if dpo_cfg.ref_offload and model_cfg.zero_stage != 3:
         raise ConfigError("--ref_offload needs --zero_stage 3 (the reference's parameters are offloaded by ZeRO-3)")
     check_reference_group(dpo_cfg, cfg.launch)
+    check_dpo_context_parallel(dpo_cfg, train_cfg)
     check_inputs(data_cfg.dataset, {"--pretrain": model_cfg.pretrain, "--ref_pretrain": dpo_cfg.ref_pretrain},
                  prefix_sharing=data_cfg.prefix_sharing)
     return cfg

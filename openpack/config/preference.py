@@ -1,12 +1,13 @@
 """The data section of the pair commands (``train_dpo``, ``train_rm``) and the checks they share: which keys hold
-a pair, and whether a pair fits a packed row."""
+a pair, context parallelism, and whether a pair fits a packed row."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from openpack.config.schema import ConfigError, arg
-from openpack.config.sections import DatasetConfig, TrainConfig, check_template_flags
+from openpack.config.sections import (DatasetConfig, LaunchConfig, TrainConfig, check_context_parallel,
+                                      check_template_flags, packed_row_tokens, ring_attn_size_arg)
 
 
 @dataclass
@@ -26,17 +27,25 @@ class PreferenceDataConfig(DatasetConfig):
         check_template_flags(self.input_template, self.apply_chat_template)
 
 
-def check_prefix_sharing(data_cfg: PreferenceDataConfig, train_cfg: TrainConfig) -> None:
-    """--prefix_sharing lays a pair out in one packed row, so it needs --packing_samples."""
+@dataclass
+class PairTrainConfig(TrainConfig):
+    """The train section of the pair commands: the shared one, and context parallelism (docs/dpo.md)."""
+
+    ring_attn_size: int | None = ring_attn_size_arg()
+
+
+def check_pair_layout(data_cfg: PreferenceDataConfig, train_cfg: PairTrainConfig, launch_cfg: LaunchConfig) -> None:
+    """A pair lands in one packed row whole; --prefix_sharing needs packing and no context parallelism."""
+    check_context_parallel(train_cfg, launch_cfg)
+    cap, flags = packed_row_tokens(train_cfg)
+    if train_cfg.use_dynamic_batch and 2 * data_cfg.max_len > cap:
+        raise ConfigError(
+            f"a pair is up to 2 x --max_len = {2 * data_cfg.max_len} tokens, more than {flags}; "
+            "lower --max_len or raise --max_tokens_per_gpu"
+        )
     if data_cfg.prefix_sharing and not train_cfg.packing_samples:
         raise ConfigError("--prefix_sharing lays each pair out as one packed group prompt | chosen | rejected: add "
                           "--packing_samples (padded rows cannot share a prompt), or drop --prefix_sharing")
-
-
-def check_pair_fits(data_cfg: PreferenceDataConfig, train_cfg: TrainConfig) -> None:
-    """Under --use_dynamic_batch a pair (chosen and rejected, each up to --max_len) lands in one row whole."""
-    if train_cfg.use_dynamic_batch and 2 * data_cfg.max_len > train_cfg.max_tokens_per_gpu:
-        raise ConfigError(
-            f"a pair is up to 2 x --max_len = {2 * data_cfg.max_len} tokens, more than --max_tokens_per_gpu "
-            f"{train_cfg.max_tokens_per_gpu}; lower --max_len or raise --max_tokens_per_gpu"
-        )
+    if data_cfg.prefix_sharing and (train_cfg.ring_attn_size or 1) > 1:
+        raise ConfigError(f"--prefix_sharing is not split over ranks: --ring_attn_size {train_cfg.ring_attn_size} "
+                          "would need each response's keys to include its prompt's on other ranks; drop one of them")

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from openpack.config.preference import PreferenceDataConfig, check_pair_fits, check_prefix_sharing
+from openpack.config.preference import PairTrainConfig, PreferenceDataConfig, check_pair_layout
 from openpack.config.schema import ConfigError, RunConfig, arg
-from openpack.config.sections import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, check_consistency,
+from openpack.config.sections import (LaunchConfig, ModelConfig, OutputConfig, check_consistency,
                                       check_inputs)
 from openpack.core.reward_losses import REWARD_LOSSES, TAKES_MARGIN
 
@@ -58,7 +58,7 @@ class RMRunConfig(RunConfig):
 
     model: ModelConfig
     data: PreferenceDataConfig
-    train: TrainConfig
+    train: PairTrainConfig
     output: OutputConfig
     rm: RewardConfig
     launch: LaunchConfig
@@ -70,9 +70,8 @@ CONFIGS = RMRunConfig.section_classes()  # the flag groups, in the order config.
 def check_rm(cfg: RMRunConfig) -> RMRunConfig:
     """The checks across sections, then the model and every data file, before Ray, DeepSpeed or a model load."""
     model_cfg, data_cfg, train_cfg, rm_cfg = cfg.model, cfg.data, cfg.train, cfg.rm
+    check_pair_layout(data_cfg, train_cfg, cfg.launch)
     check_consistency(model_cfg, data_cfg.dataset, train_cfg, cfg.launch)
-    check_pair_fits(data_cfg, train_cfg)
-    check_prefix_sharing(data_cfg, train_cfg)
     check_inputs((data_cfg.dataset or []) + (rm_cfg.eval_dataset or []), {"--pretrain": model_cfg.pretrain},
                  prefix_sharing=data_cfg.prefix_sharing)
     return cfg

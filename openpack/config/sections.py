@@ -118,6 +118,35 @@ class TrainConfig:
             raise ConfigError(f"--adam_betas takes two numbers, got {self.adam_betas}")
 
 
+def ring_attn_size_arg():
+    """--ring_attn_size, in the train section of each command that splits packed rows over ranks (train_sft,
+    train_dpo, train_rm; checked by ``check_context_parallel``)."""
+    return arg(None, "context parallelism: this many ranks share each packed row (each holding up to "
+               "--max_tokens_per_gpu of it; data parallelism is the world size over this); needs --packing_samples",
+               at_least=1, special={None: "no context parallelism (as 1)"})
+
+
+def packed_row_tokens(train: TrainConfig) -> tuple[int, str]:
+    """The most tokens a packed row holds, and its flags in words: --max_tokens_per_gpu, times --ring_attn_size N
+    where N ranks share a row."""
+    ring = getattr(train, "ring_attn_size", None) or 1
+    if ring == 1:
+        return train.max_tokens_per_gpu, f"--max_tokens_per_gpu {train.max_tokens_per_gpu}"
+    return (train.max_tokens_per_gpu * ring,
+            f"--max_tokens_per_gpu {train.max_tokens_per_gpu} x --ring_attn_size {ring} (a row's tokens)")
+
+
+def check_context_parallel(train: TrainConfig, launch_cfg: LaunchConfig) -> None:
+    """--ring_attn_size N splits packed rows over N ranks: it needs --packing_samples and a world size N divides."""
+    world, ring = planned_world_size(launch_cfg), train.ring_attn_size or 1
+    if ring > 1 and not train.packing_samples:
+        raise ConfigError(f"--ring_attn_size {ring} needs --packing_samples: context parallelism splits packed rows "
+                          "over ranks")
+    if ring > 1 and world % ring:
+        raise ConfigError(f"--ring_attn_size {ring} needs a world size it divides (the run has {world} rank(s)): "
+                          "each group of that many ranks shares its rows")
+
+
 FUSED_LOSS_HELP = ("compute the LM head, the loss and their gradients in one pass, each chunk's logits once instead "
                    "of twice: 3 vocabulary-sized matmuls per token instead of 4, same numbers (docs/benchmarks.md)")
 
@@ -167,7 +196,7 @@ def planned_world_size(launch_cfg: LaunchConfig) -> int:
 def check_batch_split(train: TrainConfig, launch_cfg: LaunchConfig) -> None:
     """Fixed micro-batches (no --use_dynamic_batch) make a step of the same whole number of them on every
     data-parallel rank (the ranks of a --ring_attn_size context group share theirs)."""
-    world = planned_world_size(launch_cfg) // (getattr(train, "ring_attn_size", None) or 1)  # train_sft's flag only
+    world = planned_world_size(launch_cfg) // (getattr(train, "ring_attn_size", None) or 1)  # not every command has it
     if not train.use_dynamic_batch and train.train_batch_size % (train.micro_train_batch_size * world):
         raise ConfigError(
             f"--train_batch_size {train.train_batch_size} does not split into micro-batches of "

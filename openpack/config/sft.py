@@ -15,8 +15,8 @@ from pathlib import Path
 
 from openpack.config.schema import ConfigError, RunConfig, arg
 from openpack.config.sections import (FUSED_LOSS_HELP, DatasetConfig, LaunchConfig, ModelConfig, OutputConfig,
-                                      TrainConfig, check_consistency, check_inputs, check_template_flags,
-                                      planned_world_size)
+                                      TrainConfig, check_consistency, check_context_parallel, check_inputs,
+                                      check_template_flags, packed_row_tokens, ring_attn_size_arg)
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "sft.yaml"
@@ -42,10 +42,7 @@ class DataConfig(DatasetConfig):
 @dataclass
 class SFTTrainConfig(TrainConfig):
     fused_loss: bool = arg(False, FUSED_LOSS_HELP)
-    ring_attn_size: int | None = arg(None, "context parallelism: this many ranks share each packed row (each "
-                                     "holding up to --max_tokens_per_gpu of it; data parallelism is the world size "
-                                     "over this); needs --packing_samples", at_least=1,
-                                     special={None: "no context parallelism (as 1)"})
+    ring_attn_size: int | None = ring_attn_size_arg()
 
 
 @dataclass
@@ -64,14 +61,12 @@ CONFIGS = SFTRunConfig.section_classes()  # the flag groups, in the order config
 
 def check_sft(cfg: SFTRunConfig) -> SFTRunConfig:
     """The checks across sections, then the model and data files, before Ray, DeepSpeed or a model load."""
-    world, ring = planned_world_size(cfg.launch), cfg.train.ring_attn_size or 1
-    if ring > 1 and (not cfg.train.packing_samples or world % ring):
-        raise ConfigError(f"--ring_attn_size {ring} needs --packing_samples and a world size it divides "
-                          f"(the run has {world} rank(s)); context parallelism splits packed rows over ranks")
+    check_context_parallel(cfg.train, cfg.launch)
     check_consistency(cfg.model, cfg.data.dataset, cfg.train, cfg.launch)
-    if cfg.train.use_dynamic_batch and cfg.data.max_len > cfg.train.max_tokens_per_gpu:
+    cap, flags = packed_row_tokens(cfg.train)
+    if cfg.train.use_dynamic_batch and cfg.data.max_len > cap:
         raise ConfigError(
-            f"--max_len {cfg.data.max_len} exceeds --max_tokens_per_gpu {cfg.train.max_tokens_per_gpu}: "
+            f"--max_len {cfg.data.max_len} exceeds {flags}: "
             "a sample could not fit a row; lower --max_len or raise --max_tokens_per_gpu"
         )
     check_inputs(cfg.data.dataset, {"--pretrain": cfg.model.pretrain})

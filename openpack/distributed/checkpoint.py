@@ -418,7 +418,8 @@ def check_resumable(folder: Path, saved: RunState, now: RunState, step: int) -> 
     """Refuse (ResumeMismatch) a resume that would not continue ``saved``'s run exactly; return what changed.
 
     Exact means: the same world size (ZeRO's optimizer state is partitioned per rank, and openpack does
-    not convert it), the same ZeRO stage, precision and LoRA adapters (``LORA``), and the same samples in each
+    not convert it), the same --ring_attn_size (it decides the data-parallel plan), the same ZeRO stage,
+    precision and LoRA adapters (``LORA``), and the same samples in each
     of the first ``step`` steps of the new plan (so ``--max_steps``/``--max_epochs`` may grow a run, while a new
     ``--train_batch_size``, ``--seed``, ``--max_len`` or dataset, which would skip or repeat samples,
     is refused). ``now.config`` may be {} (no config known): then only the plan and world size count.
@@ -432,6 +433,13 @@ def check_resumable(folder: Path, saved: RunState, now: RunState, step: int) -> 
             "ZeRO partitions the optimizer state per rank and openpack does not convert checkpoints between world "
             f"sizes; resume on {saved.world_size} rank(s) (--num_nodes x --num_gpus_per_node), or start a new run "
             f"(another --save_path, or --overwrite). {listed}")
+    rings = [config.get("ring_attn_size") or 1 for config in (saved.config, now.config)]
+    if now.config and saved.config and rings[0] != rings[1]:
+        raise ResumeMismatch(
+            f"cannot resume {folder}: it was written with --ring_attn_size {rings[0]} and this run has "
+            f"--ring_attn_size {rings[1]}; ranks sharing rows change the data-parallel plan, so the steps would "
+            f"train other samples. Resume with --ring_attn_size {rings[0]}, or start a new run (another "
+            "--save_path, or --overwrite)")
     lora = lora_changes(saved.config, now.config) if now.config and saved.config else {}
     if lora:
         listed_lora = ", ".join(f"{_as_flag(k, a)} -> {_as_flag(k, b).removeprefix(f'--{k} ')}"

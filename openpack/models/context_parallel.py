@@ -13,6 +13,10 @@ overlaps with compute. Llama 3 chose this over ring attention (K/V blocks passed
 compute) because with grouped-query attention K and V are small next to the queries, and because document
 masks make a ring's steps uneven. A ring holds two blocks at a time where this holds the row; rows far
 longer than activations allow would need one (not done).
+
+Pair losses (DPO, reward models) are not linear in tokens, so a rank's part of a segment's log-prob sum, or a
+reward read at a last token that another rank holds, is combined over the group before the loss
+(``whole_segment_values``, ``last_token_readout``): every rank of the group then computes the same pair losses.
 """
 
 from __future__ import annotations
@@ -31,17 +35,79 @@ def set_context_group(group: dist.ProcessGroup | None) -> None:
     _group = group
 
 
+def whole_segment_values(batch, partial: torch.Tensor) -> torch.Tensor:
+    """Per-segment values [S] of the whole row from this rank's part of them (log-prob sums, label counts, a reward
+    read where this rank holds it and 0 elsewhere): summed over the context group when ``batch`` is one rank's part
+    of a split row, else ``partial`` as it is.
+
+    The gradient passes through unchanged, not summed: every rank of the group computes the same loss from the
+    same sums, so d loss / d partial on rank r is d loss / d sum, and the ranks' parameter gradients, added over
+    the group as DeepSpeed does over the world, are the whole row's (the chain rule through sum = sum_r partial_r).
+    Summing the gradients too would count each loss N times.
+    """
+    if getattr(batch, "context_shard", None) is None:
+        return partial
+    _check_group(batch.context_shard)
+    return _SumOverGroup.apply(partial, _group)
+
+
+def last_token_readout(batch, skip_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each segment's last token sits among this rank's tokens, for one rank's part of a split row: (index
+    [S] int64 into the local tokens, held [S] bool: whether this rank holds it; index 0 where it does not).
+
+    ``core.batch.last_token_index``'s rule on the whole row (the last token whose id is not ``skip_token_id``):
+    each rank finds its own last such token of every segment by its offset in the segment, and the group's
+    maximum (one all-reduce of [S] int64) says which rank holds the segment's. Under the zigzag split that is
+    usually rank 0 (it holds every document's tail), but a short document, or one ending in skipped tokens,
+    ends on another rank.
+    """
+    shard = batch.context_shard
+    _check_group(shard)
+    ids = batch.input_ids.flatten()
+    segments = batch.segment_ids.to(ids.device)
+    real = torch.ones_like(ids, dtype=torch.bool) if skip_token_id is None else ids != skip_token_id
+    offset = shard.token_index.to(ids.device) - shard.segment_starts.to(ids.device)[segments]
+    local = torch.arange(ids.numel(), device=ids.device)
+    none = torch.full((batch.num_segments,), -1, dtype=torch.int64, device=ids.device)
+    mine = none.scatter_reduce(0, segments, torch.where(real, offset, -1), reduce="amax")
+    index = none.scatter_reduce(0, segments, torch.where(real, local, -1), reduce="amax")
+    whole = mine.clone()
+    dist.all_reduce(whole, op=dist.ReduceOp.MAX, group=_group)
+    if (whole < 0).any():
+        bad = (whole < 0).nonzero()[0].item()
+        raise ValueError(f"segment {bad} (sample {batch.sample_index[bad].item()}) has no token to read a value at")
+    return index.clamp(min=0), (mine == whole)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over ``group`` in the forward; the identity in the backward (``whole_segment_values``)."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def all_gather_rows(local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     """Every rank's ``local`` [T_r, ...] in one buffer [N x max_local_tokens, ...]: rank q's rows from
     q x max_local_tokens on, zero-padded (``shard.gathered_index`` says where each row position landed)."""
+    _check_group(shard)
+    return _AllGatherRows.apply(local, shard.max_local_tokens, _group)
+
+
+def _check_group(shard: ContextShard) -> None:
     if _group is None:
-        raise RuntimeError("a context-parallel batch reached attention with no context group set "
+        raise RuntimeError("one rank's part of a split row (a context-parallel batch) met no context group "
                            "(openpack.models.context_parallel.set_context_group)")
     size, rank = dist.get_world_size(_group), dist.get_rank(_group)
     if (size, rank) != (shard.size, shard.rank):
         raise RuntimeError(f"the batch's context shard is rank {shard.rank} of {shard.size}, but this process is "
                            f"rank {rank} of a context group of {size}")
-    return _AllGatherRows.apply(local, shard.max_local_tokens, _group)
 
 
 class _AllGatherRows(torch.autograd.Function):

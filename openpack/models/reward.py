@@ -8,7 +8,9 @@ one reward each and padding never enters. Transformers reads the number at
 the last token that is not ``pad_token_id``; the same rule applies here, so
 the exported model scores exactly as the trainer does (it matters only when
 pad == eos: then both read the token before a closing eos, as TRL's
-RewardTrainer does)::
+RewardTrainer does). Under ``--ring_attn_size`` the rank holding a segment's
+last token reads it and the context group sums the readouts
+(``models.context_parallel``), so every rank has every reward::
 
     input_ids    p0 p1 c0 c1 eos | p0 p1 r0 eos      one pair, packed
     reward read                ^               ^     [r_chosen, r_rejected]
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from openpack.core.batch import PackedBatch, last_token_index
+from openpack.models.context_parallel import last_token_readout, whole_segment_values
 from openpack.models.families import check_model_family
 from openpack.models.loading import (ModelLoadError, _from_pretrained, load_model_config, prepare_for_training,
                                      quantized)
@@ -52,8 +55,12 @@ class PackedRewardModel(torch.nn.Module):
         self.model = model
 
     def forward(self, batch) -> torch.Tensor:
-        last = last_token_index(batch, self.model.config.pad_token_id)
-        return getattr(self.model, HEAD)(hidden_states(self.model, batch)[last]).float()[:, 0]
+        hidden, head, skip = hidden_states(self.model, batch), getattr(self.model, HEAD), self.model.config.pad_token_id
+        if getattr(batch, "context_shard", None) is None:
+            return head(hidden[last_token_index(batch, skip)]).float()[:, 0]
+        # one rank's part of a split row: the rank holding a segment's last token reads it, the group sums
+        index, held = last_token_readout(batch, skip)
+        return whole_segment_values(batch, torch.where(held, head(hidden[index]).float()[:, 0], 0.0))
 
 
 def hidden_states(model, batch) -> torch.Tensor:

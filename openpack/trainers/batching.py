@@ -25,6 +25,9 @@ import torch
 from openpack.core.batch import PackedBatch, Segment, collate_packed, collate_padded
 from openpack.core.context_parallel import shard_batch, split_row
 from openpack.core.schedule import Batching, RankStep, plan_scoring
+from openpack.distributed.process import join_context_group
+from openpack.models.errors import UnsupportedModelError
+from openpack.models.packed import router_loss
 from openpack.trainers.metrics import DeviceSums, StepMetrics
 
 logger = logging.getLogger("openpack")
@@ -43,10 +46,28 @@ class ContextPlace:
             return batch
         return shard_batch(batch, split_row(batch.cu_seqlens, self.size)[self.rank])
 
+    def counted(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A micro-batch's per-pair statistics as this rank adds them to the step's sums over the world: the
+        group's ranks compute the same pairs' values, so rank 0 of the group counts them and the others add 0."""
+        return stats if self.rank == 0 else {name: torch.zeros_like(value) for name, value in stats.items()}
+
 
 def context_parallel_size(train_cfg) -> int:
-    """--ring_attn_size: 1 where it is unset (None), and in the commands without the flag (all but train_sft)."""
+    """--ring_attn_size: 1 where it is unset (None), and in the commands without the flag (all but train_sft,
+    train_dpo and train_rm)."""
     return getattr(train_cfg, "ring_attn_size", None) or 1
+
+
+def join_context(train_cfg, model=None) -> ContextPlace:
+    """This rank's place in its context group of --ring_attn_size ranks (every rank calls it at the same point:
+    forming the groups is collective). ``model``: one that trains its MoE router loss (a causal LM; a reward
+    model does not), refused under a ring."""
+    ring = context_parallel_size(train_cfg)
+    # the router loss is a function of each row's whole token set
+    if ring > 1 and model is not None and router_loss(model.config) is not None:
+        raise UnsupportedModelError(f"--ring_attn_size {ring}: an MoE model's router load-balancing loss is not "
+                                    "split over a context group yet; train it without --ring_attn_size")
+    return ContextPlace(ring, join_context_group(ring))
 
 
 @dataclass

@@ -9,6 +9,12 @@ step's pairs whatever the packing, micro-batch layout or world size (the
 normalisation TRL applies to one batch, and OpenRLHF per micro-batch).
 With ``--fused_loss`` the engine returns that loss from the LM head directly,
 each pair's logits computed once (``core/fused_loss.py``); the numbers are the same.
+Under ``--ring_attn_size N`` a rank holds part of each segment: its log-prob
+sums (and label counts) are summed over the context group before the loss, so
+the N ranks compute the same pair losses, each with the same ``scale``; the
+gradient passes to each rank's part unchanged (``models.context_parallel``),
+and DeepSpeed's sum over the world adds the parts. The pairs are counted in
+the metrics once per group.
 An MoE policy adds its router load-balancing loss, each micro-batch's weighted by
 its tokens (``trainers/router_aux.py``).
 """
@@ -28,6 +34,7 @@ from openpack.core.losses import LossParams, PairLogps, implicit_rewards, pair_l
 from openpack.core.schedule import RankStep
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo
+from openpack.models.context_parallel import whole_segment_values
 from openpack.trainers.batching import MicroBatcher, step_metrics
 from openpack.trainers.metrics import DeviceSums, StepMetrics
 from openpack.trainers.router_aux import RouterAux
@@ -54,7 +61,7 @@ class PairTable:
     def __init__(self, batch, device):
         _, chosen, rejected = pair_segments(batch)
         self.chosen, self.rejected = host_to_device(chosen, device), host_to_device(rejected, device)
-        self.counts = host_to_device(segment_label_counts(batch), device)
+        self.counts = whole_segment_values(batch, host_to_device(segment_label_counts(batch), device))
 
     def logps(self, sums: torch.Tensor, ref_sums: torch.Tensor | None) -> PairLogps:
         """Per-pair sums (and token counts), policy and reference (None: reference-free)."""
@@ -101,11 +108,11 @@ def dpo_step(engine, batcher: MicroBatcher, objective: PreferenceObjective, step
             loss, segment_sums = engine(batch, fused=fused)
             logps, losses = evaluate(segment_sums)
         else:
-            logps, losses = evaluate(segment_logprobs(batch, engine(batch)).sum)
+            logps, losses = evaluate(whole_segment_values(batch, segment_logprobs(batch, engine(batch)).sum))
             loss = losses.sum() * scale
         aux_loss, aux_sums = router_aux.term(tokens)  # after the policy's forward, not the reference's
         engine.backward(loss + aux_loss * dist.world_size)
-        sums.add(**pair_stats(logps, losses, objective.params.beta), **aux_sums)
+        sums.add(**batcher.context.counted(pair_stats(logps, losses, objective.params.beta)), **aux_sums)
         grad_norm = optimizer_step(engine, sums.get("loss") / pairs) if last else engine.step()
     return step_metrics(step, engine, grad_norm, sums, lambda totals: {
         **{name: totals[name] / pairs for name in STATS}, "pairs": pairs, **router_aux.metrics(totals)},

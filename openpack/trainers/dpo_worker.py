@@ -24,7 +24,7 @@ from openpack.models.loading import load_causal_lm, load_tokenizer
 from openpack.models.lora import apply_lora
 from openpack.models.packed import PackedCausalLM
 from openpack.trainers import demo, reference
-from openpack.trainers.batching import MicroBatcher, scoring_batches, warn_if_memory_short
+from openpack.trainers.batching import MicroBatcher, join_context, scoring_batches, warn_if_memory_short
 from openpack.trainers.dpo import PreferenceObjective, dpo_step
 from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
 
@@ -66,6 +66,7 @@ def run_dpo(cfg, demo_model=None, save_config=None, reference_group=None, plan: 
     own_reference = bool(model_cfg.lora_rank) and not dpo_cfg.ref_pretrain  # LoRA: the base is the reference
     colocated = needs_reference(dpo_cfg.losses()[0]) and reference_group is None and dpo_cfg.ref_logps_cache is None \
         and not own_reference
+    context = join_context(train_cfg, model)  # --ring_attn_size: this rank's part of each row
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2,
                          frozen_params=sum(p.numel() for p in model.parameters()) if colocated else 0)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
@@ -76,7 +77,7 @@ def run_dpo(cfg, demo_model=None, save_config=None, reference_group=None, plan: 
         items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False, warn=False)[0])
     segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
-    batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
+    batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0, context)
     run = TrainingRun(model, tokenizer, plan.steps, cfg, dist, save_config)
 
     loss_types, weights = dpo_cfg.losses()

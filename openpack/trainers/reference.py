@@ -2,7 +2,9 @@
 
 Two scorers, one interface (``segment_sums(batch) -> [S]`` summed label
 log-probs per segment), so the DPO step never branches on where reference
-log-probs come from:
+log-probs come from. A scorer returns whole segments' sums, also for one rank's
+part of a row split over a context group (``--ring_attn_size``: the model
+scorers sum the group's parts, the cache holds whole sums):
 
 * ``ModelReference``: a frozen copy of the model in the same process as the
   policy (colocated), scoring exactly the packs the policy trains on. Memory:
@@ -31,6 +33,7 @@ from openpack.core.batch import CHOSEN, REJECTED
 from openpack.core.logprobs import segment_logprobs
 from openpack.data.loading import DataError
 from openpack.distributed.process import all_reduce_sum
+from openpack.models.context_parallel import whole_segment_values
 from openpack.models.lora import adapters_disabled
 
 
@@ -43,8 +46,9 @@ class ModelReference:
 
     @torch.no_grad()
     def segment_sums(self, batch) -> torch.Tensor:
+        """Each segment's whole sum, also for one rank's part of a split row (``--ring_attn_size``)."""
         batch = batch.to(self.device)
-        return segment_logprobs(batch, self(batch)).sum
+        return whole_segment_values(batch, segment_logprobs(batch, self(batch)).sum)
 
     @torch.no_grad()
     def __call__(self, batch) -> torch.Tensor:

@@ -6,6 +6,10 @@ apart by the segment table. For a step of N pairs over all micro-batches and
 ranks, each micro-batch hands ``backward`` ``sum(pair losses) / N`` times the
 world size (undoing DeepSpeed's average over ranks): the gradient of the mean
 over the step's pairs, whatever the packing, micro-batch layout or world size.
+Under ``--ring_attn_size N`` the engine returns every reward of the row on each
+of the N ranks (read where the last token is, summed over the context group:
+``models/reward.py``), so they compute the same losses; the pairs are counted
+in the metrics once per group.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def rm_step(engine, batcher: MicroBatcher, objective: RewardObjective, step: Ran
         margin = None if margins is None else margins[ids]
         losses = reward_pair_losses(chosen, rejected, objective.loss, margin, objective.center_rewards_coefficient)
         engine.backward(losses.sum() * dist.world_size / pairs)
-        sums.add(**pair_stats(chosen, rejected, losses))
+        sums.add(**batcher.context.counted(pair_stats(chosen, rejected, losses)))
         grad_norm = optimizer_step(engine, sums.get("loss") / pairs) if last else engine.step()
     return step_metrics(step, engine, grad_norm, sums,
                         lambda totals: {**{name: totals[name] / pairs for name in STATS}, "pairs": pairs},

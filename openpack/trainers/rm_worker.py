@@ -32,7 +32,7 @@ from openpack.models.loading import load_tokenizer
 from openpack.models.lora import apply_lora
 from openpack.models.reward import HEAD, PackedRewardModel, load_reward_model, rename_head, set_normalization
 from openpack.trainers import demo
-from openpack.trainers.batching import MicroBatcher, scoring_batches, warn_if_memory_short
+from openpack.trainers.batching import MicroBatcher, join_context, scoring_batches, warn_if_memory_short
 from openpack.trainers.reference import score_dataset
 from openpack.trainers.rm import RewardObjective, rm_step
 from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
@@ -87,6 +87,7 @@ def run_rm(cfg, demo_model=None, save_config=None, plan: RankPlan | None = None)
     model = load_reward_model(pretrain, model_cfg.bf16, model_cfg.gradient_checkpointing, rm_cfg.value_head_prefix,
                               tokenizer.pad_token_id, load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
     model = apply_lora(model, model_cfg, head=HEAD)  # LoRA: adapters, and the value head trained in full
+    context = join_context(train_cfg)  # --ring_attn_size: this rank's part of each row (no router loss trained)
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
         items, plans = _tokenize_and_plan(cfg, dist.world_size, demo_model, dist.is_main)
@@ -96,7 +97,7 @@ def run_rm(cfg, demo_model=None, save_config=None, plan: RankPlan | None = None)
         items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, rm_cfg, False, False)[0])
     segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
     pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
-    batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0)
+    batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0, context)
     module = PackedRewardModel(model)
     run = TrainingRun(model, tokenizer, plan.steps, cfg, dist, save_config, module=module)
     margins = None

@@ -22,13 +22,11 @@ from openpack.core.batch import Segment
 from openpack.core.schedule import RankPlan
 from openpack.data.demo_tokenizer import build_demo_tokenizer
 from openpack.data.sft import SFTSample, tokenize_sft
-from openpack.distributed.process import barrier, join_context_group
-from openpack.models.errors import UnsupportedModelError
+from openpack.distributed.process import barrier
 from openpack.models.loading import load_tokenizer
 from openpack.models.lora import apply_lora
-from openpack.models.packed import router_loss
 from openpack.trainers import demo
-from openpack.trainers.batching import ContextPlace, MicroBatcher, context_parallel_size, warn_if_memory_short
+from openpack.trainers.batching import MicroBatcher, join_context, warn_if_memory_short
 from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
 from openpack.trainers.sft import train_step
 
@@ -60,10 +58,7 @@ def run_sft(cfg, save_config=None, plan: RankPlan | None = None) -> int:
     is_demo = model_cfg.pretrain is None
     tokenizer, model = demo.tokenizer_and_model(model_cfg, train_cfg.seed)
     model = apply_lora(model.to(dist.device), model_cfg)
-    ring = context_parallel_size(train_cfg)
-    if ring > 1 and router_loss(model.config) is not None:  # a function of each row's whole token set
-        raise UnsupportedModelError(f"--ring_attn_size {ring}: an MoE model's router load-balancing loss is not "
-                                    "split over a context group yet; train it without --ring_attn_size")
+    context = join_context(train_cfg, model)
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist)
     if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
         items, plans = _tokenize_and_plan(cfg, dist.world_size, dist.is_main)
@@ -72,8 +67,7 @@ def run_sft(cfg, save_config=None, plan: RankPlan | None = None) -> int:
         rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
         items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False, warn=False)[0])
     samples = {i: _segments(items[i], i) for i in plan.sample_ids()}
-    batcher = MicroBatcher(samples.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0,
-                           ContextPlace(ring, join_context_group(ring)))
+    batcher = MicroBatcher(samples.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0, context)
     run = TrainingRun(model, tokenizer, plan.steps, cfg, dist, save_config)
     with run.tracker:
         if is_demo:

@@ -2,7 +2,10 @@
 
 For each case of ``CASES`` the rank builds the tiny model and the packed row, runs its part of the split row
 (log-probs, then the gradient of a weighted sum of them, its local part only), sums log-probs and gradients over
-the group, and compares them with the unsplit row's. Rank 0 writes the largest errors to OUT.json.
+the group, and compares them with the unsplit row's. Then the pair losses (``run_pairs``): DPO's (policy and
+reference sums through the trainer's ``PairTable``) and a reward model's, each rank computing every pair's loss
+from the group's sums and its own part of the gradient, the parts summed as DeepSpeed does. Rank 0 writes the
+largest errors to OUT.json.
 """
 
 import json
@@ -11,12 +14,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from openpack.core.batch import collate_packed
+from openpack.core.batch import CHOSEN, REJECTED, Segment, collate_packed
 from openpack.core.context_parallel import shard_batch, split_row
-from openpack.models.context_parallel import set_context_group
+from openpack.core.logprobs import pair_segments, segment_logprobs
+from openpack.core.losses import LossParams, pair_losses
+from openpack.core.reward_losses import reward_pair_losses
+from openpack.models.context_parallel import last_token_readout, set_context_group, whole_segment_values
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm
+from openpack.models.reward import PackedRewardModel
 from openpack.models.verify import random_segments
+from openpack.trainers.dpo import PairTable
+from openpack.trainers.reference import ModelReference
 
 # A 64-token row over 2 ranks of 32: the 40-token document is longer than a rank's share and straddles the split;
 # document 3 (one token, an odd index) lies on rank 1 only (test_context_parallel.py checks both from the split).
@@ -58,11 +67,84 @@ def run_case(arch, overrides, window, ignore_boundaries, rank, world):
     }
 
 
+# Three pairs (chosen, rejected) in one 73-token row over 2 ranks (test_context_parallel.py checks the split):
+# pair 0's chosen (40 tokens, a 30-token prompt) outgrows a rank's share, its labels all in rank 0's tail chunk;
+# pair 1's chosen (2 tokens) ends on rank 1 and its rejected on rank 0; pair 2's chosen ends in 3 skipped tokens
+# (the reward model's pad id) that rank 0 holds, so its reward is read on rank 1.
+PAIR_LENGTHS = [(40, 3), (2, 9), (12, 7)]
+PROMPT_LENGTHS = [(30, 1), (1, 4), (5, 3)]
+SKIP_TOKEN, SKIPPED = 3, (4, 3)  # segment 4 ends in 3 SKIP_TOKENs
+
+
+def pair_row(vocab_size: int) -> list[Segment]:
+    """PAIR_LENGTHS as chosen and rejected segments, targets after each prompt; no SKIP_TOKEN but where placed."""
+    lengths = [n for pair in PAIR_LENGTHS for n in pair]
+    prompts = [n for pair in PROMPT_LENGTHS for n in pair]
+    segments = []
+    for i, seg in enumerate(random_segments(lengths, vocab_size, seed=11)):
+        tokens = [SKIP_TOKEN + 1 if t == SKIP_TOKEN else t for t in seg.tokens]
+        if i == SKIPPED[0]:
+            tokens[-SKIPPED[1]:] = [SKIP_TOKEN] * SKIPPED[1]
+        targets = [k >= prompts[i] for k in range(len(tokens))]
+        segments.append(Segment(tokens, targets, sample_index=i // 2, role=(CHOSEN, REJECTED)[i % 2]))
+    return segments
+
+
+def run_pairs(rank, world):
+    """DPO (sigmoid + IPO: IPO reads the label counts) and reward-model pair losses of the split row against the
+    whole row: loss, per-pair values and the summed gradients; and where each reward was read."""
+    policy = tiny_causal_lm("llama", seed=0)
+    reference = ModelReference(PackedCausalLM(tiny_causal_lm("llama", seed=1)), torch.device("cpu"))
+    policy.config.pad_token_id = SKIP_TOKEN
+    torch.manual_seed(5)
+    policy.score = torch.nn.Linear(policy.config.hidden_size, 1, bias=False)  # a reward model's value head
+    packed, rewards = PackedCausalLM(policy), PackedRewardModel(policy)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    whole = collate_packed(pair_row(policy.config.vocab_size))
+    part = shard_batch(whole, split_row(whole.cu_seqlens, world)[rank])
+
+    def dpo(batch, combine=True):
+        sums = segment_logprobs(batch, packed(batch)).sum
+        sums = whole_segment_values(batch, sums) if combine else sums
+        logps = PairTable(batch, torch.device("cpu")).logps(sums, reference.segment_sums(batch))
+        return pair_losses(logps, LossParams(beta=0.5), ["sigmoid", "ipo"], [1.0, 0.1]).sum()
+
+    def rm(batch):
+        values = rewards(batch)
+        _, chosen, rejected = pair_segments(batch)
+        return reward_pair_losses(values[chosen], values[rejected], "sigmoid").sum(), values
+
+    results = {}
+    for name, loss_of in (("dpo_pairs", lambda b: (dpo(b), None)), ("rm_pairs", rm)):
+        (loss, values), (split_loss, split_values) = loss_of(whole), loss_of(part)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        split_grads = torch.autograd.grad(split_loss, params, allow_unused=True)
+        errors = []
+        for mine, theirs in zip(split_grads, grads):
+            if theirs is not None:
+                dist.all_reduce(mine)
+                errors.append((mine - theirs).abs().max().item())
+        results[name] = {"loss_error": (split_loss - loss).abs().item(), "grad_error": max(errors),
+                         "grad_scale": max(g.abs().max().item() for g in grads if g is not None)}
+        if values is not None:
+            results[name]["value_error"] = (split_values - values).abs().max().item()
+    # the guard: each rank's pair losses from its own part of the sums, added over the ranks, must not pass
+    alone = dpo(part, combine=False).detach()
+    dist.all_reduce(alone)
+    results["dpo_pairs_not_combined"] = {"loss_error": (alone - dpo(whole)).abs().item()}
+    held = last_token_readout(part, SKIP_TOKEN)[1].long()
+    readers = [torch.zeros_like(held) for _ in range(world)]
+    dist.all_gather(readers, held * rank)
+    results["rm_pairs"]["read_on_rank"] = torch.stack(readers).sum(0).tolist()  # per segment
+    return results
+
+
 def main(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     set_context_group(dist.group.WORLD)
     results = {name: run_case(*case, rank, world) for name, case in CASES.items()}
+    results.update(run_pairs(rank, world))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

@@ -7,12 +7,19 @@ with 8 over 2, Qwen2 with an 8-token window on one layer, Gemma-2 (attention and
 alternating layers), Llama with dynamic NTK rope (frequencies from each document's whole length). The guard case
 splits the row as one document (attention over every gathered key before a token): it must fail.
 
-Then the first command end to end: ``openpack train_sft --ring_attn_size 2`` on 2 ranks equals one rank (slow:
-about 3 minutes each on a busy 2-core machine), and what it cannot split is refused up front.
+The pair losses on a row of three pairs: DPO's (policy and reference log-prob sums summed over the group before
+the loss) and a reward model's (each reward read on the rank that holds the segment's last token, one pair's chosen
+on rank 1 and rejected on rank 0), each rank's part of the gradient summed as DeepSpeed sums it. The guard for
+pairs: losses from each rank's own part of the sums must fail.
+
+Then the commands end to end: ``openpack train_sft``, ``train_dpo`` and ``train_rm --ring_attn_size 2`` on 2 ranks
+equal one rank (slow: the SFT runs about 3 minutes each on a busy 2-core machine, DPO and RM under 2), and what
+they cannot split is refused up front.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +30,8 @@ import torch
 from openpack.core.context_parallel import split_row
 from openpack.distributed.process import free_port
 
-from context_parallel_script import CASES, LENGTHS
+from context_parallel_script import CASES, LENGTHS, PAIR_LENGTHS, PROMPT_LENGTHS
+from saved_runs import write_pairs
 
 SCRIPT = Path(__file__).with_name("context_parallel_script.py")
 
@@ -64,6 +72,32 @@ def test_ignoring_document_boundaries_fails(errors):
     """The guard: splitting the row as one document (a ring over the concatenated row) must not pass."""
     assert errors["llama_boundaries_ignored"]["logprob_error"] > 1e-2
     assert errors["llama_boundaries_ignored"]["grad_error"] > 1e-3
+
+
+def test_the_pair_row_has_the_hard_cases(errors):
+    """A document longer than either rank's share whose labels all lie on rank 0; a pair whose chosen reward is read
+    on rank 1 and rejected on rank 0 (a short segment), another whose chosen ends in skipped tokens on rank 0."""
+    lengths = [n for pair in PAIR_LENGTHS for n in pair]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    shards = split_row(cu, 2)
+    assert max(lengths) > max(s.num_tokens for s in shards)
+    first_label = PROMPT_LENGTHS[0][0]  # segment 0's labels sit at offsets >= its prompt's length
+    on_rank_1 = shards[1].piece_segment == 0
+    assert (shards[1].piece_offset[on_rank_1] + shards[1].piece_length[on_rank_1] <= first_label).all()
+    readers = errors["rm_pairs"]["read_on_rank"]  # per segment: chosen, rejected of each pair
+    assert readers == [0, 0, 1, 0, 1, 0], readers
+
+
+@pytest.mark.parametrize("case", ["dpo_pairs", "rm_pairs"])
+def test_pair_losses_of_a_split_row_equal_the_whole_row(errors, case):
+    assert errors[case]["loss_error"] < 1e-5, errors[case]
+    assert errors[case]["grad_error"] < 1e-5, errors[case]
+    assert errors[case].get("value_error", 0) < 1e-5, errors[case]
+
+
+def test_pair_losses_from_uncombined_parts_fail(errors):
+    """The guard: each rank's pair losses from its own part of the log-prob sums, added, are not the row's."""
+    assert errors["dpo_pairs_not_combined"]["loss_error"] > 1e-2, errors["dpo_pairs_not_combined"]
 
 
 def _sft(save_path, pretrain, dataset, *flags):
@@ -119,11 +153,127 @@ def test_train_sft_refuses_what_it_cannot_split(flags, says, capsys):
     assert says in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("command", ["train_dpo", "train_rm", "train_ppo", "train_grpo"])
+@pytest.mark.parametrize("command", ["train_ppo", "train_grpo"])
 def test_other_commands_refuse_the_flag(command, capsys):
-    """Only train_sft splits rows so far; the other commands have no such flag, and say so in one line."""
+    """train_sft, train_dpo and train_rm split rows so far; the RL commands have no such flag, and say so in one
+    line."""
     import importlib
     with pytest.raises(SystemExit) as exit_:
         importlib.import_module(f"openpack.cli.{command}").main(["--ring_attn_size", "2"])
     assert exit_.value.code == 2
     assert "unrecognized arguments: --ring_attn_size 2" in capsys.readouterr().err
+
+
+TWO_RANKS = ["--launcher", "ray", "--num_gpus_per_node", "2"]  # the planned world (refused before Ray starts)
+
+
+@pytest.mark.parametrize("command, flags, says", [
+    ("train_dpo", ["--launcher", "local"], "--ring_attn_size 2 needs a world size it divides (the run has 1 rank(s))"),
+    ("train_rm", [*TWO_RANKS, "--no_packing_samples", "--no_use_dynamic_batch"],
+     "--ring_attn_size 2 needs --packing_samples"),
+    ("train_dpo", [*TWO_RANKS, "--prefix_sharing"], "--prefix_sharing is not split over ranks: --ring_attn_size 2"),
+    ("train_rm", [*TWO_RANKS, "--prefix_sharing"], "--prefix_sharing is not split over ranks: --ring_attn_size 2"),
+    ("train_dpo", [*TWO_RANKS, "--fused_loss"], "--fused_loss with --ring_attn_size 2"),
+    ("train_dpo", [*TWO_RANKS, "--ref_num_nodes", "1"], "--ref_num_nodes with --ring_attn_size 2"),
+    ("train_rm", [*TWO_RANKS, "--max_len", "48", "--max_tokens_per_gpu", "40"],
+     "more than --max_tokens_per_gpu 40 x --ring_attn_size 2 (a row's tokens)"),
+    ("train_rm", [*TWO_RANKS, "--ring_attn_size", "0"], "--ring_attn_size must be >= 1, got 0"),
+])
+def test_pair_commands_refuse_what_they_cannot_split(command, flags, says, capsys):
+    """Refused from the flags alone (the built-in demo's), in one line, exit 2, before Ray or a model load."""
+    import importlib
+    argv = ["--save_path", "unused", "--ring_attn_size", "2", *flags]
+    assert importlib.import_module(f"openpack.cli.{command}").main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture(scope="module")
+def uneven_pairs(tmp_path_factory):
+    """test_train_rm.py's pairs (with margins), every third rejected cut to 2 letters: a chosen then often holds
+    more than half its row, so more than either rank's share of it."""
+    path = tmp_path_factory.mktemp("uneven_pairs") / "pairs.jsonl"
+    rows = [json.loads(line) for line in open(write_pairs(path))]
+    with open(path, "w") as f:
+        f.writelines(json.dumps({**row, "rejected": row["rejected"][:2] if i % 3 == 0 else row["rejected"],
+                                 "margin": (i % 5 - 2) / 4}) + "\n" for i, row in enumerate(rows))
+    return str(path)
+
+
+# test_train_dpo.py's and test_train_rm.py's two steps of 8 pairs; rows of up to 2 x 48 tokens per context group
+PAIR_COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
+               "--lr_scheduler", "constant", "--max_len", "48", "--seed", "1", "--max_norm", "100",
+               "--adam_epsilon", "1e-6", "--packing_samples", "--use_dynamic_batch"]
+PAIR_FLAGS = {"train_dpo": ["--loss_type", "sigmoid", "ipo", "--loss_weights", "1", "0.1", "--nll_loss_coef", "0.5",
+                            "--beta", "0.5"],
+              "train_rm": ["--margin_key", "margin", "--center_rewards_coefficient", "0.01"]}
+# the ring's ZeRO stage; one rank runs --zero_stage 2 as stage 0 (ZeRO-3 on one rank trains alike, 2x slower here)
+RING_ZERO = {"train_dpo": ["--zero_stage", "3"], "train_rm": ["--zero_stage", "2"]}
+
+
+def _torchrun(argv, command):
+    from hang_guard import HANG_S
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "openpack.cli.main", command, *argv]
+    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=HANG_S)
+
+
+def _trained_rows(command, argv):
+    """The packed rows of the run ``argv`` on 2 ranks, as its ranks collate them (before the split)."""
+    import importlib
+
+    from openpack.config import commands
+    from openpack.core.batch import collate_packed
+    from openpack.data.preference import pair_segments
+
+    cfg = {"train_dpo": commands.DPO, "train_rm": commands.RM}[command].run_config.parse(argv, command, "")
+    pairs, plans = importlib.import_module(f"openpack.trainers.{command[6:]}_worker")._tokenize_and_plan(
+        cfg, 2, None, True)
+    segments = pair_segments(False)
+    return [collate_packed([seg for i in ids for seg in segments(pairs[i], i)])
+            for step in plans[0].steps for ids in step.micro_batches]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["train_dpo", "train_rm"])
+def test_pair_commands_ring_of_two_equal_one_rank(command, tmp_path, tiny_pretrain, tiny_reference, uneven_pairs):
+    """``--ring_attn_size 2`` on 2 ranks (rows of up to 2 x 48 tokens) gives one rank's losses, grad norms and
+    weights (rows of up to 96): DPO (sigmoid + IPO + NLL, a reference model split like the policy, ZeRO-3) and RM
+    (margins, centering, ZeRO-2). Rows hold more than a rank's cap, and a chosen response longer than either
+    rank's share of its row. Then the checkpoint: DPO refuses a resume without the ring, RM resumes exactly at
+    step 1."""
+    from saved_runs import assert_same_run, read_metrics
+
+    data = ["--pretrain", tiny_pretrain, "--dataset", uneven_pairs, *PAIR_COMMON, *PAIR_FLAGS[command]]
+    if command == "train_dpo":
+        data += ["--ref_pretrain", tiny_reference]
+    one, ring = tmp_path / "one", tmp_path / "ring"
+    import importlib
+    main = importlib.import_module(f"openpack.cli.{command}").main
+    assert main([*data, "--save_path", str(one), "--max_tokens_per_gpu", "96", "--launcher", "local"]) == 0
+    ring_argv = [*data, *RING_ZERO[command], "--save_path", str(ring), "--max_tokens_per_gpu", "48",
+                 "--ring_attn_size", "2", "--save_steps", "1"]
+    result = _torchrun(ring_argv, command)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_run(ring, one)
+    assert [m["pairs"] for m in read_metrics(ring)] == [8, 8]  # counted once per context group
+
+    rows = _trained_rows(command, ring_argv)
+    assert max(row.num_tokens for row in rows) > 48
+    assert any(int((row.cu_seqlens[1:] - row.cu_seqlens[:-1]).max()) > max(s.num_tokens for s in
+               split_row(row.cu_seqlens, 2)) for row in rows)
+
+    if command == "train_dpo":  # another --ring_attn_size (1: unset) on the same 2 ranks
+        refused = _torchrun([*data, *RING_ZERO[command], "--save_path", str(ring), "--max_tokens_per_gpu", "96",
+                             "--load_checkpoint", "--max_steps", "3"], command)
+        assert refused.returncode != 0
+        assert "written with --ring_attn_size 2 and this run has --ring_attn_size 1" in refused.stderr, \
+            refused.stderr[-3000:]
+    else:  # from step 1's checkpoint, step 2 again: the same weights
+        (ring / "checkpoints" / "latest").write_text("global_step1")
+        shutil.rmtree(ring / "checkpoints" / "global_step2")
+        resumed = _torchrun([*ring_argv, "--load_checkpoint"], command)
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        assert [m["step"] for m in read_metrics(ring)] == [1, 2]
+        assert_same_run(ring, one)

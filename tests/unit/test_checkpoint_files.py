@@ -111,6 +111,19 @@ def test_another_world_size_or_zero_stage_is_refused():
         check_resumable("ckpt", state(["a"]), state(["a"], zero_stage=3), 1)
 
 
+def test_another_ring_attn_size_is_refused_naming_both():
+    """--ring_attn_size decides the data-parallel plan (world / N ranks): refused in one line even where the digests
+    could agree; unset (an older run, or no flag) is 1."""
+    with pytest.raises(ResumeMismatch, match=r"written with --ring_attn_size 2 and this run has --ring_attn_size 1") \
+            as refused:
+        check_resumable("ckpt", state(["a"], 2, ring_attn_size=2), state(["a"], 2, ring_attn_size=None), 1)
+    assert "\n" not in str(refused.value) and "Resume with --ring_attn_size 2" in str(refused.value)
+    with pytest.raises(ResumeMismatch, match=r"--ring_attn_size 1 and this run has --ring_attn_size 2"):
+        check_resumable("ckpt", state(["a"], 2), state(["a"], 2, ring_attn_size=2), 1)
+    assert check_resumable("ckpt", state(["a"], 2, ring_attn_size=2), state(["a"], 2, ring_attn_size=2), 1) == {}
+    assert check_resumable("ckpt", state(["a"]), state(["a"], ring_attn_size=1), 1) == {"ring_attn_size": (None, 1)}
+
+
 def test_other_lora_adapters_are_refused_naming_the_flag_both_values_and_the_fix():
     lora = dict(lora_rank=8, lora_alpha=16, target_modules=["all-linear"], load_in_4bit=False)
     with pytest.raises(ResumeMismatch, match=r"\(--lora_rank 8 -> 0\).*Resume with --lora_rank 8, or"):
