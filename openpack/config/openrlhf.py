@@ -297,10 +297,6 @@ def held_out(command: str) -> list[Twin]:
             accepted("--eval.split", "1", nothing)]
 
 
-def ring(command: str) -> Twin:
-    return missing("--ds.ring_attn_size", "1", f"context parallelism in {command} (train_sft has it)", off=("1",))
-
-
 def sft() -> list[Twin]:
     def input_key(values: list[str], given: Given):
         chat = given.has("--data.apply_chat_template") or given.has("--apply_chat_template")
@@ -330,7 +326,7 @@ def pair_data() -> list[Twin]:
 
 def dpo() -> list[Twin]:
     return [
-        *offline(), *held_out("train_dpo"), *pair_data(), ring("train_dpo"),
+        *offline(), *held_out("train_dpo"), *pair_data(), same("--ds.ring_attn_size", "--ring_attn_size"),
         same("--ds.use_liger_kernel", "--fused_loss", "0", meaning="`--fused_loss` (openpack's fused, chunked LM "
              "head and loss)"),
         same("--ref.offload", "--ref_offload", "0"),
@@ -353,7 +349,7 @@ def rm() -> list[Twin]:
         return ["--eval_steps", *never_is_none(values)], None
 
     return [
-        *offline(), *pair_data(), ring("train_rm"),
+        *offline(), *pair_data(), same("--ds.ring_attn_size", "--ring_attn_size"),
         same("--ds.value_head_prefix", "--value_head_prefix"),
         accepted("--model.compute_fp32_loss_enable", "0", "openpack computes the reward loss in fp32"),
         same("--model.margin_loss_enable", "--margin_key", "0", convert=lambda _: ["margin"],
@@ -595,7 +591,8 @@ def rl() -> list[Twin]:
              meaning="`--overlong_buffer_len` (a whole number of tokens)"),
         same("--reward.overlong_penalty_factor", "--overlong_penalty_factor"),
         missing("--reward.stop_properly_penalty_coef", "1", "ProRL's penalty for truncated completions"),
-        missing("--ds.ring_attn_size", "1", "context parallelism in RL (train_sft has it)", off=("1",)),
+        missing("--ds.ring_attn_size", "1", "context parallelism in RL (train_sft, train_dpo and train_rm have it)",
+                off=("1",)),
         same("--actor.model_name_or_path", "--pretrain"),
         same("--reward.model_name_or_path", "--reward_pretrain", convert=comma_list,
              meaning="`--reward_pretrain`: `a,b` is `a b` (summed; OpenRLHF sums them too)"),

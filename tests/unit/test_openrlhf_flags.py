@@ -135,12 +135,12 @@ SAME_RUNS = {
         "--data.prompt_key p --data.chosen_key c --data.rejected_key r --data.apply_chat_template "
         "--data.max_len 8192 --train.batch_size 256 --train.micro_batch_size 1 --ds.zero_stage 3 "
         "--ds.param_dtype bf16 --adam.lr 5e-7 --ckpt.output_dir ./out/dpo --ckpt.save_steps 100 "
-        "--ds.packing_samples --ds.attn_implementation flash_attention_2 --eval.steps -1 --ds.ring_attn_size 1",
+        "--ds.packing_samples --ds.attn_implementation flash_attention_2 --eval.steps -1 --ds.ring_attn_size 2",
         "--pretrain org/sft --ref_pretrain org/ref --ref_offload --beta 0.2 --loss_type ipo --label_smoothing 0.1 "
         "--nll_loss_coef 0.5 --dataset org/prefs --prompt_key p --chosen_key c --rejected_key r "
         "--apply_chat_template --max_len 8192 --train_batch_size 256 --micro_train_batch_size 1 --zero_stage 3 "
         "--bf16 --learning_rate 5e-7 --save_path ./out/dpo --save_steps 100 --packing_samples "
-        "--attn_backend flash_attn"),
+        "--attn_backend flash_attn --ring_attn_size 2"),
     "train_rm": (
         "--model.model_name_or_path org/sft --ds.value_head_prefix value_head --model.loss_type logexp "
         "--model.compute_fp32_loss_enable --data.dataset org/prefs --eval.dataset org/held,b.jsonl --eval.split test "
