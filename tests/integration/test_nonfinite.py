@@ -201,3 +201,18 @@ def test_a_grpo_policy_with_nan_logprobs_for_one_step(tmp_path, rl_model, capsys
     assert metrics[0]["policy_loss"] is None and metrics[1]["policy_loss"] is not None
     for name, weight in load_weights(run).items():
         assert torch.isfinite(weight).all(), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["train_sft", "train_dpo"])
+def test_the_demos_at_an_absurd_learning_rate_stop_and_save_nothing_nonfinite(command, tmp_path, capsys):
+    """The built-in demos as a user runs them (no --pretrain: the demo model and data; DPO from the cached SFT demo
+    model), at a learning rate of 1e30: exit 1, one line, no non-finite tensor saved, no final model."""
+    main = {"train_sft": train_sft.main, "train_dpo": train_dpo.main}[command]
+    run = tmp_path / command
+    code = main(["--learning_rate", "1e30", "--max_steps", "8", "--save_steps", "1", "--launcher", "local",
+                 "--save_path", str(run)])
+    _, err = capsys.readouterr()
+    assert_stopped_with_one_line(code, err, command)
+    assert_nothing_nonfinite_saved(run)
+    read_metrics(run)
