@@ -33,7 +33,9 @@ from openpack.core.pass_at_k import mean_pass_at_k, reported_ks
 if TYPE_CHECKING:
     from openpack.data.prompts import Prompt
     from openpack.rl.agents.episode import Episode
+    from openpack.rl.agents.generation import AgentGenerator
     from openpack.rl.episodes import Rollouts
+    from openpack.rl.generation import Generator
     from openpack.rl.rewards import SourceRewards
     from openpack.rl.step import RLLoop, RolloutBatch
     from openpack.trainers.run import TrainingRun
@@ -142,7 +144,7 @@ class Evaluation:
     """The held-out evaluation of a run, built once by ``run_ppo``."""
 
     prompts: list[Prompt]
-    generator: object  # the run's Generator or AgentGenerator, sampling the evaluation's way (``with_sampling``)
+    generator: Generator | AgentGenerator  # the run's engines, sampling the evaluation's way (``with_sampling``)
     rewards: SourceRewards | None  # every source's rewards of single completions; None: episodes score themselves
     n: int  # samples a prompt
     temperature: float
