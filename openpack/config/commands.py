@@ -127,8 +127,9 @@ def with_agent_demo(cfg: PPORunConfig) -> PPORunConfig:
         run_stage(SFT, sft_argv, cfg.launch)
     return replace(cfg, model=replace(cfg.model, pretrain=files["model"]),
                    data=replace(cfg.data, prompt_data=[files["prompts"]], label_key="answer"),
-                   agent=replace(cfg.agent, tools=files["tools"],
-                                 eval_prompt_data=cfg.agent.eval_prompt_data or files["eval"]))
+                   agent=replace(cfg.agent, tools=files["tools"]),
+                   evaluation=replace(cfg.evaluation,
+                                      eval_prompt_data=cfg.evaluation.eval_prompt_data or files["eval"]))
 
 
 def run_stage(command: TrainingCommand, argv: list[str], launch_cfg: LaunchConfig) -> None:

@@ -256,9 +256,6 @@ class AgentConfig:
                                                  at_most=1, special={None: str(agent_setup.MAX_FAILURE_FRACTION)})
     agent_concurrency: int | None = arg(None, "episodes under way at once (their turns batch into engine calls)",
                                         at_least=1, special={None: str(agent_setup.CONCURRENCY)})
-    eval_prompt_data: str | None = arg(None, "held-out prompts: greedy episodes on them before and after "
-                                       "training, logged as eval_success (share with reward > 0), eval_reward and "
-                                       "eval_turns", special={None: "no held-out evaluation"})
     demo: str | None = arg(None, "run a built-in demo: agent (three-digit multiplication with a calculator tool, from "
                            "an SFT model trained first and cached; docs/agents.md)", choices=["agent"])
     per_turn_reward: bool = arg(False, "credit each turn's reward to its last sampled token (returns and GAE "
@@ -279,12 +276,59 @@ class AgentConfig:
         if limits and not self.enabled and not self.demo:
             raise ConfigError(f"{', '.join(limits)} bound multi-turn episodes: add --env_file, --agent_func_path or "
                               "--tools, or drop them")
-        if self.eval_prompt_data and not self.enabled and not self.demo:
-            raise ConfigError("--eval_prompt_data runs held-out episodes: add --env_file, --agent_func_path or "
-                              "--tools, or drop it")
         if self.per_turn_reward and not self.enabled:
             raise ConfigError("--per_turn_reward credits the turns of multi-turn episodes: add --env_file, "
                               "--agent_func_path or --tools, or drop it")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during training (docs/rl.md, Evaluation): the engines sample each held-out prompt with
+    the current weights before training, every --eval_steps rollout batches and at the end; pass@1 and pass@k of
+    each reward source (an agent run's: its episodes) are logged."""
+
+    eval_prompt_data: str | None = arg(None, "held-out prompts (a local file or HF name, the --prompt_data keys): "
+                                       "sampled and scored before training, every --eval_steps and at the end, "
+                                       "logged as eval/<source>/pass@k; agent runs also log eval_success (share "
+                                       "with reward > 0), eval_reward and eval_turns",
+                                       special={None: "no held-out evaluation"})
+    eval_steps: int | None = arg(None, "evaluate every N rollout batches too", at_least=1,
+                                 special={None: "before and after training only"})
+    eval_n_samples_per_prompt: int | None = arg(None, "completions (episodes) sampled per held-out prompt: pass@k "
+                                                "is logged for k = 1, 2, 4, ... and this n", at_least=1,
+                                                special={None: "1"})
+    eval_temperature: float | None = arg(None, "sampling temperature of the evaluation (0: greedy, one sample a "
+                                         "prompt)", at_least=0,
+                                         special={None: "0 (greedy) with one sample a prompt, else --temperature"})
+    eval_pass_threshold: float | None = arg(None, "a sample passes (is correct for pass@k) when its reward from a "
+                                            "source is above this",
+                                            special={None: "0: exact match's 1 passes and 0 fails; an episode "
+                                                           "passes when it succeeds (reward > 0)"})
+    best_metric_key: str | None = arg(None, "an evaluation metric, e.g. eval/reward/pass@1: the policy of the "
+                                      "evaluation where it was highest is kept in <save_path>/best besides the "
+                                      "latest checkpoint", special={None: "no best checkpoint"})
+
+    @property
+    def samples(self) -> int:
+        """Samples a held-out prompt gets."""
+        return self.eval_n_samples_per_prompt or 1
+
+    def temperature(self, training: float) -> float:
+        """The temperature the evaluation samples at (``training``: --temperature)."""
+        if self.eval_temperature is not None:
+            return self.eval_temperature
+        return 0.0 if self.samples == 1 else training
+
+    def given(self) -> list[str]:
+        """The flags that shape an evaluation, as typed: refused without --eval_prompt_data (``rl_checks``; the
+        agent demo brings its own held-out prompts)."""
+        return [f"--{name}" for name in ("eval_steps", "eval_n_samples_per_prompt", "eval_temperature",
+                                          "eval_pass_threshold", "best_metric_key") if getattr(self, name) is not None]
+
+    def validate(self):
+        if self.eval_temperature == 0 and self.samples > 1:
+            raise ConfigError(f"--eval_temperature 0 is greedy: --eval_n_samples_per_prompt {self.samples} would "
+                              "repeat one completion; raise the temperature or sample one")
 
 
 @dataclass
@@ -311,6 +355,7 @@ class PPORunConfig(RunConfig):
     rl: RLConfig
     launch: LaunchConfig
     agent: AgentConfig
+    evaluation: EvalConfig
 
 
 @dataclass

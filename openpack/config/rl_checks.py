@@ -23,6 +23,8 @@ def check_rl_run(cfg: PPORunConfig) -> PPORunConfig:
     cfg = with_prefix_sharing(cfg)
     check_inputs(cfg.data.prompt_data, {"--pretrain": cfg.model.pretrain, "--ref_pretrain": cfg.rl.ref_pretrain},
                  "--prompt_data", cfg.train.prefix_sharing)
+    if cfg.evaluation.eval_prompt_data:
+        check_inputs([cfg.evaluation.eval_prompt_data], {}, "--eval_prompt_data")
     from openpack.models.reward import check_reward_model
 
     for path in cfg.rl.reward_pretrain or []:  # a causal LM here is refused now, not after the policy loads
@@ -82,6 +84,25 @@ def check_rl(cfg: PPORunConfig) -> None:
         raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
     if cfg.agent.enabled:
         check_agent(cfg)
+    check_evaluation(cfg)
+
+
+def check_evaluation(cfg: PPORunConfig) -> None:
+    """The evaluation's flags need held-out prompts, and --best_metric_key must name a metric the evaluation logs
+    (its names follow from the reward flags and --eval_n_samples_per_prompt: ``rl.evaluation``)."""
+    from openpack.rl.evaluation import best_metric_names
+
+    eval_cfg = cfg.evaluation
+    if not eval_cfg.eval_prompt_data:
+        if eval_cfg.given():
+            raise ConfigError(f"{', '.join(eval_cfg.given())} shape the held-out evaluation, and there is none: add "
+                              "--eval_prompt_data, or drop them")
+        return
+    if eval_cfg.best_metric_key is not None:
+        names = best_metric_names(eval_cfg.samples, cfg.rl, cfg.agent.enabled)
+        if eval_cfg.best_metric_key not in names:
+            raise ConfigError(f"--best_metric_key {eval_cfg.best_metric_key} is not a metric this run's evaluation "
+                              f"logs; choose one of: {', '.join(names)}")
 
 
 def check_rollout_backend(cfg: PPORunConfig) -> None:

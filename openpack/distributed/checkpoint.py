@@ -201,13 +201,14 @@ def save_hf_model(engine, tokenizer, out_dir: Path, is_main: bool, adapter_dir: 
                     shutil.rmtree(adapter_tmp, ignore_errors=True)
                     model.save_pretrained(adapter_tmp, safe_serialization=True)
         if is_main:
-            _replace_dir(tmp, out_dir)
+            replace_dir(tmp, out_dir)
             if adapter_dir:
-                _replace_dir(adapter_tmp, adapter_dir)
+                replace_dir(adapter_tmp, adapter_dir)
     barrier()
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
+def replace_dir(tmp: Path, final: Path) -> None:
+    """``final`` becomes the complete folder ``tmp`` (the old one moved aside first, then deleted)."""
     old = final.with_name(f".{final.name}.old")
     if final.exists():
         os.replace(final, old)
@@ -241,7 +242,7 @@ def save_checkpoint(engine, tokenizer, ckpt_path, step: int, client_state: dict,
             write_text_atomic(staging / META_FILE, json.dumps(meta, indent=1) + "\n")
             write_text_atomic(staging / DATA_ORDER, json.dumps(state.data_order) + "\n")
             write_manifest(staging)
-            _replace_dir(staging, ckpt_path / tag)
+            replace_dir(staging, ckpt_path / tag)
             write_text_atomic(ckpt_path / LATEST, tag)
             prune(ckpt_path, max_ckpt_num, state.run_id, step)
     barrier()
@@ -372,7 +373,9 @@ def open_checkpoint(ckpt_path, tag: str | None = None) -> tuple[Path, RunState] 
 # may change them freely and they are not listed as changes.
 NOT_TRAINING = frozenset({"save_path", "ckpt_path", "save_steps", "max_ckpt_num", "load_checkpoint",
                           "load_checkpoint_tag", "overwrite", "logging_steps", "use_wandb", "wandb_project",
-                          "wandb_run_name", "use_tensorboard", "launcher", "ray_address", "num_cpus_per_worker"})
+                          "wandb_run_name", "use_tensorboard", "launcher", "ray_address", "num_cpus_per_worker",
+                          "eval_prompt_data", "eval_steps", "eval_n_samples_per_prompt", "eval_temperature",
+                          "eval_pass_threshold", "best_metric_key"})
 # Settings that change the layout of DeepSpeed's saved optimizer state: it cannot load across them.
 LAYOUT = ("zero_stage", "bf16")
 # LoRA settings that decide which adapters exist and what they add: a checkpoint's adapter weights and their

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from openpack.data.prompts import Prompt
@@ -90,6 +90,10 @@ class Generator:
     def metrics(self) -> dict[str, float]:
         """Numbers of the last batch beyond its completions (single completions have none; episodes do)."""
         return {}
+
+    def with_sampling(self, sampling: SamplingConfig) -> Generator:
+        """This generator's engines, sampling otherwise (the held-out evaluation's n and temperature)."""
+        return replace(self, sampling=sampling)
 
 
 def _share(count: int, rank: int, world: int) -> tuple[int, int]:

@@ -51,6 +51,23 @@ class RewardError(RuntimeError):
     """A reward source failed or answered nonsense; the message names the source, the batch and the fix."""
 
 
+REWARD = "reward"  # the source name of the reward a run trains on, whatever gives it
+
+
+def reward_model_source(index: int) -> str:
+    """The source name of --reward_pretrain model ``index`` (flag order), scored alone next to the combined reward."""
+    return f"reward_model_{index}"
+
+
+def source_names(rl_cfg) -> list[str]:
+    """The reward sources a single-turn evaluation reports (``by_source``'s keys): the run's reward, and each reward
+    model alone where several are summed or a --reward_fn combines them."""
+    models = rl_cfg.reward_pretrain or []
+    if len(models) > 1 or models and rl_cfg.reward_fn:
+        return [REWARD, *map(reward_model_source, range(len(models)))]
+    return [REWARD]
+
+
 def load_reward_fn(spec: str) -> RewardFn:
     """``path.py:function`` -> the function; a bad file, name or object is a RewardError naming --reward_fn."""
     path, _, name = spec.rpartition(":")
@@ -159,15 +176,23 @@ def reward_models(scorers: list, names: list[str], weights: list[float] | None =
     ``combine`` (``--reward_fn``) as its keyword ``rm_scores``, one list per model in flag order."""
     weights = weights or [1.0] * len(scorers)
 
-    def reward(prompts, completions, rows, sequences):
+    def by_source(prompts, completions, rows, sequences) -> dict[str, list[float]]:
         scores = [[float(v) for v in scorer.score(sequences)] for scorer in scorers]
         if combine is not None:
-            return combine(prompts, completions, rows, rm_scores=scores)
-        return [sum(w * s[i] for w, s in zip(weights, scores)) for i in range(len(sequences))]
+            combined = combine(prompts, completions, rows, rm_scores=scores)
+        else:
+            combined = [sum(w * s[i] for w, s in zip(weights, scores)) for i in range(len(sequences))]
+        if len(scorers) == 1 and combine is None:
+            return {REWARD: combined}
+        return {REWARD: combined, **{reward_model_source(i): s for i, s in enumerate(scores)}}
+
+    def reward(prompts, completions, rows, sequences):
+        return by_source(prompts, completions, rows, sequences)[REWARD]
 
     reward.reward_name = f"--reward_pretrain {' '.join(names)}" + (
         f" combined by {getattr(combine, 'reward_name', 'a function')}" if combine is not None else "")
     reward.takes_sequences = True
+    reward.by_source = by_source
     return reward
 
 
@@ -178,39 +203,55 @@ def checked(source: RewardFn, timeout_s: float | None = None) -> Callable[..., l
     name = getattr(source, "reward_name", getattr(source, "__name__", repr(source)))
     extra = ("sequences",) if getattr(source, "takes_sequences", False) else ()
 
-    def reward(prompts, completions, rows, batch: str = "this batch", sequences=None) -> list[float]:
+    def answer(call, prompts, completions, rows, batch, sequences):
         try:
-            values = within(timeout_s, lambda: source(prompts, completions, rows, *(sequences for _ in extra)),
-                            f"{name} gave no answer within --reward_timeout {timeout_s or 0:g} s on {batch} "
-                            f"({len(completions)} completions); make it faster or raise --reward_timeout")
+            return within(timeout_s, lambda: call(prompts, completions, rows, *(sequences for _ in extra)),
+                          f"{name} gave no answer within --reward_timeout {timeout_s or 0:g} s on {batch} "
+                          f"({len(completions)} completions); make it faster or raise --reward_timeout")
         except RewardError:
             raise
         except Exception as err:  # a user's reward function: name it and the batch, keep the cause
             raise RewardError(f"{name} raised {type(err).__name__}: {err} (on {batch}, {len(completions)} "
                               "completions)") from err
-        if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
-            raise RewardError(f"{name} returned {str(values)[:120]!r} on {batch}: expected a list of one number "
-                              "per completion")
-        values = list(values)  # a generator, a tensor or an array as well
-        if len(values) != len(completions):
-            raise RewardError(f"{name} returned {len(values)} rewards for {len(completions)} completions on {batch}")
-        numbers = []
-        for i, value in enumerate(values):
-            try:
-                if isinstance(value, (str, bytes)):  # float("0.5") would pass: a text is a bug in the source
-                    raise TypeError
-                numbers.append(float(value))
-            except (TypeError, ValueError) as err:
-                raise RewardError(f"{name} returned {str(value)[:60]!r} (a {type(value).__name__}) for completion "
-                                  f"{i} of {batch}: every reward must be a number") from err
-        bad = [i for i, v in enumerate(numbers) if not math.isfinite(v)]
-        if bad:
-            raise RewardError(f"{name} returned {numbers[bad[0]]} for completion {bad[0]} of {batch} "
-                              f"({len(bad)} not finite): every reward must be a finite number")
-        return numbers
+
+    def reward(prompts, completions, rows, batch: str = "this batch", sequences=None) -> list[float]:
+        values = answer(source, prompts, completions, rows, batch, sequences)
+        return numbers_of(name, values, len(completions), batch)
+
+    def by_source(prompts, completions, rows, batch: str = "this batch", sequences=None) -> dict[str, list[float]]:
+        """Each source's rewards (``source_names``): the run's reward and, for several reward models, each alone."""
+        if not hasattr(source, "by_source"):
+            return {REWARD: reward(prompts, completions, rows, batch, sequences)}
+        parts = answer(source.by_source, prompts, completions, rows, batch, sequences)
+        return {part: numbers_of(name, values, len(completions), batch) for part, values in parts.items()}
 
     reward.reward_name = name
+    reward.by_source = by_source
     return reward
+
+
+def numbers_of(name: str, values, count: int, batch: str) -> list[float]:
+    """``values`` as ``count`` finite floats, else a RewardError naming source ``name``, the batch and the value."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise RewardError(f"{name} returned {str(values)[:120]!r} on {batch}: expected a list of one number "
+                          "per completion")
+    values = list(values)  # a generator, a tensor or an array as well
+    if len(values) != count:
+        raise RewardError(f"{name} returned {len(values)} rewards for {count} completions on {batch}")
+    numbers = []
+    for i, value in enumerate(values):
+        try:
+            if isinstance(value, (str, bytes)):  # float("0.5") would pass: a text is a bug in the source
+                raise TypeError
+            numbers.append(float(value))
+        except (TypeError, ValueError) as err:
+            raise RewardError(f"{name} returned {str(value)[:60]!r} (a {type(value).__name__}) for completion "
+                              f"{i} of {batch}: every reward must be a number") from err
+    bad = [i for i, v in enumerate(numbers) if not math.isfinite(v)]
+    if bad:
+        raise RewardError(f"{name} returned {numbers[bad[0]]} for completion {bad[0]} of {batch} "
+                          f"({len(bad)} not finite): every reward must be a finite number")
+    return numbers
 
 
 def within(timeout_s: float | None, call: Callable, message: str):
@@ -278,11 +319,21 @@ class SourceRewards:
         self.name = getattr(source, "reward_name", "the reward")
 
     def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
-        texts = ([p.text for p in prompts for _ in range(self.n)],
-                 self.tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),
-                 [p.row for p in prompts for _ in range(self.n)])
-        sequences = [p + c for p, c in zip(rollouts.prompt_tokens, rollouts.completion_tokens)]
-        return shared_rewards(self.source, texts, dist, where, sequences)
+        return shared_rewards(self.source, self._texts(prompts, rollouts), dist, where, self._sequences(rollouts))
+
+    def by_source(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> dict[str, list[float]]:
+        """Each source's rewards (``source_names``) of ``rollouts``, ``self.n`` a prompt, on every rank."""
+        return shared_rewards(self.source.by_source, self._texts(prompts, rollouts), dist, where,
+                              self._sequences(rollouts))
+
+    def _texts(self, prompts: list[Prompt], rollouts: Rollouts) -> tuple[list[str], list[str], list[dict]]:
+        return ([p.text for p in prompts for _ in range(self.n)],
+                self.tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),
+                [p.row for p in prompts for _ in range(self.n)])
+
+    @staticmethod
+    def _sequences(rollouts: Rollouts) -> list[list[int]]:
+        return [p + c for p, c in zip(rollouts.prompt_tokens, rollouts.completion_tokens)]
 
 
 class EpisodeRewards:
@@ -296,9 +347,10 @@ class EpisodeRewards:
 
 
 def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist: DistInfo, where: str,
-                   sequences: list[list[int]] | None = None) -> list[float]:
-    """Rank 0 asks the reward source (once per batch); every rank gets the answer, or raises rank 0's error, so no
-    rank is left waiting in a collective when a reward fails."""
+                   sequences: list[list[int]] | None = None) -> list[float] | dict[str, list[float]]:
+    """Rank 0 asks the reward source (once per batch); every rank gets the answer (the rewards, or ``by_source``'s
+    rewards of each source), or raises rank 0's error, so no rank is left waiting in a collective when a reward
+    fails."""
     answer = None
     if dist.is_main:
         try:

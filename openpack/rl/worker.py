@@ -5,7 +5,8 @@ rank: process group -> tokenizer, policy, prompts -> the rollout schedule
 run (engine, resume, tracker, checkpoints; ``trainers/run.py``) ->
 reference model (when a KL term needs one) -> rollout engines (vLLM actors
 handed over by the driver, in-process vLLM, or HF generation with the
-policy itself) -> (demo: held-out exact match) -> steps -> final model.
+policy itself) -> (demo: held-out exact match; --eval_prompt_data: the held-out evaluation before training, every
+--eval_steps and at the end, ``evaluation.py``) -> steps -> final model.
 
 A planned step of ``TrainingRun`` is one rollout batch here: checkpoints,
 ``--save_steps``, ``--max_steps``, the progress bar and metrics.jsonl count
@@ -36,7 +37,8 @@ from openpack.rl.pipeline import RolloutPipeline
 from openpack.rl.experience import Scorers
 from openpack.rl.rewards import EpisodeRewards, SourceRewards, reward_source
 from openpack.rl.settings import rl_settings
-from openpack.rl.step import EmptySteps, RLLoop, RolloutBatch, gathered, rl_step, send_weights
+from openpack.rl.evaluation import BestPolicy, Evaluation, with_evaluation
+from openpack.rl.step import EmptySteps, RLLoop, RolloutBatch, rl_step, send_weights
 from openpack.trainers import demo, reference
 from openpack.trainers.run import TrainingRun, start_worker
 from openpack.trainers.tracking import MetricLimit
@@ -61,9 +63,9 @@ def rollout_schedule(num_prompts: int, rollout_batch_size: int, num_episodes: in
     return batches[:max_steps] if max_steps else batches
 
 
-def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str]) -> list[Prompt]:
+def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str], flag: str = "--prompt_data") -> list[Prompt]:
     """The prompts of --prompt_data (mixed by --prompt_data_probs, cut to --max_samples), tokenized."""
-    rows = load_rows(datasets, data_cfg.prompt_data_probs, seed, data_cfg.skip_bad_samples, flag="--prompt_data")
+    rows = load_rows(datasets, data_cfg.prompt_data_probs, seed, data_cfg.skip_bad_samples, flag=flag)
     if data_cfg.max_samples is not None:
         rows.rows, rows.sources = rows.rows[:data_cfg.max_samples], rows.sources[:data_cfg.max_samples]
     prompts, left_out = tokenize_prompts(rows, tokenizer, data_cfg.input_key, data_cfg.apply_chat_template,
@@ -177,32 +179,43 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
                   dist=dist, pad_token_id=tokenizer.pad_token_id or 0, sync=sync, critic=critic, kl_ctl=kl_ctl,
                   colocation=colocation, empty_steps=empty)
     step = functools.partial(rl_step, loop)
-    held_out = load_prompts(data_cfg, tokenizer, train_cfg.seed, [cfg.agent.eval_prompt_data]) \
-        if cfg.agent.eval_prompt_data else None
+    evaluation = held_out_evaluation(cfg, generator, rewards, tokenizer, run) \
+        if cfg.evaluation.eval_prompt_data else None
+    if evaluation is not None:
+        step = with_evaluation(step, evaluation, loop, len(schedule))
     with run.tracker:
         if demo_model is not None:
             _report_demo(run, "before")
-        if held_out:
-            _report_held_out(loop, held_out, "before")
+        if evaluation is not None:
+            evaluation(loop, "before training", run.position.global_step, candidate=False)
         run.train(step, before_save=None if critic is None else functools.partial(
             save_hf_model, critic, tokenizer, run.save_path / "critic", dist.is_main))
         if demo_model is not None:
             _report_demo(run, "after")
-        if held_out:
-            _report_held_out(loop, held_out, "after")
+        if evaluation is not None:
+            evaluation(loop, "after training", run.position.global_step)
     return 0
 
 
-def _report_held_out(loop: RLLoop, prompts: list[Prompt], when: str) -> None:
-    """--eval_prompt_data: greedy episodes of the policy on the held-out prompts, every rank alike (the whole
-    policy gathered under ZeRO-3), reported by rank 0."""
-    run = loop.run
-    run.engine.eval()
-    with gathered(loop, needed=True):
-        rates = loop.pipeline.generator.evaluate(run.engine.module.model, prompts)
-    run.tracker.message(f"held-out {when} training: success {rates['eval_success']:.1%} of {len(prompts)} "
-                        f"episodes (greedy), {rates['eval_turns']:.2f} turns each")
-    run.tracker.log(run.position.global_step, rates)
+def held_out_evaluation(cfg, generator, rewards, tokenizer, run: TrainingRun) -> Evaluation:
+    """--eval_prompt_data's evaluation (``rl/evaluation.py``): the held-out prompts (every one: neither
+    --prompt_data_probs nor --max_samples applies), the run's engines sampling n of each at the evaluation's
+    temperature, the run's reward sources (episodes: their environments), and --best_metric_key's best so far."""
+    eval_cfg, rollout_cfg = cfg.evaluation, cfg.rollout
+    data_cfg = replace(cfg.data, prompt_data_probs=None, max_samples=None)
+    prompts = load_prompts(data_cfg, tokenizer, cfg.train.seed, [eval_cfg.eval_prompt_data], "--eval_prompt_data")
+    n, temperature = eval_cfg.samples, eval_cfg.temperature(rollout_cfg.temperature)
+    sampling = replace(rollout_sampling(generator), n=n, temperature=temperature)
+    best = BestPolicy.of_run(eval_cfg.best_metric_key, run.save_path, run.run_id) \
+        if eval_cfg.best_metric_key else None
+    return Evaluation(prompts, generator.with_sampling(sampling),
+                      None if cfg.agent.enabled else SourceRewards(rewards.source, tokenizer, n), n, temperature,
+                      eval_cfg.eval_pass_threshold or 0.0, eval_cfg.eval_steps, best)
+
+
+def rollout_sampling(generator):
+    """The sampling of the run's rollouts (an AgentGenerator's is its single-turn generator's)."""
+    return getattr(generator, "generator", generator).sampling
 
 
 def agent_generator(cfg, generator: Generator, tokenizer):

@@ -140,3 +140,25 @@ def test_bad_policy_loss_and_correction_flags_fail_before_the_run(capsys, flags,
 
     assert run(train_grpo.main, [*flags, "--launcher", "local"]) == 2
     assert expected in one_line(capsys)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--eval_steps", "2"], "--eval_steps shape the held-out evaluation, and there is none: add --eval_prompt_data"),
+    (["--best_metric_key", "eval/reward/pass@1", "--eval_temperature", "1"],
+     "--eval_temperature, --best_metric_key shape the held-out evaluation, and there is none"),
+    (["--eval_steps", "0"], "--eval_steps must be >= 1, got 0"),
+    (["--eval_prompt_data", "{held_out}", "--eval_n_samples_per_prompt", "4", "--eval_temperature", "0"],
+     "--eval_temperature 0 is greedy: --eval_n_samples_per_prompt 4 would repeat one completion"),
+    (["--eval_prompt_data", "{held_out}", "--eval_n_samples_per_prompt", "4", "--best_metric_key", "eval/reward/pass@8"],
+     "--best_metric_key eval/reward/pass@8 is not a metric this run's evaluation logs; choose one of: "
+     "eval/reward/pass@1, eval/reward/pass@2, eval/reward/pass@4, eval/reward/mean_reward"),
+    (["--eval_prompt_data", "{held_out}.missing"], "--eval_prompt_data {held_out}.missing"),
+])
+def test_bad_evaluation_flags_fail_before_the_run(capsys, tmp_path, flags, expected):
+    from openpack.cli import train_grpo
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n")
+    flags = [f.format(held_out=held_out) for f in flags]
+    assert run(train_grpo.main, [*flags, "--rollout_backend", "hf", "--launcher", "local"]) == 2
+    assert expected.format(held_out=held_out) in one_line(capsys)

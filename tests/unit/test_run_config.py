@@ -50,8 +50,8 @@ def test_the_check_sees_a_changed_setting(tmp_path):
 def test_sections_are_typed_and_named():
     cfg = rl.GRPORunConfig.parse(["--config", str(BEFORE / "train_grpo.yaml")], "openpack train_grpo", "")
     assert [f.name for f in dataclasses.fields(cfg)] == ["model", "data", "train", "output", "rollout", "rl",
-                                                          "launch", "agent"]
+                                                          "launch", "agent", "evaluation"]
     assert isinstance(cfg.rollout, rl.GRPORolloutConfig) and isinstance(cfg.rl, rl.GRPOConfig)
     assert cfg.rollout.n_samples_per_prompt == 8 and cfg.data.label_key == "answer" and cfg.model.pretrain == "org/model"
     assert rl.CONFIGS == (sections.ModelConfig, rl.PromptDataConfig, rl.RLTrainConfig, sections.OutputConfig,
-                          rl.RolloutConfig, rl.RLConfig, sections.LaunchConfig, rl.AgentConfig)
+                          rl.RolloutConfig, rl.RLConfig, sections.LaunchConfig, rl.AgentConfig, rl.EvalConfig)

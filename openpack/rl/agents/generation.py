@@ -21,6 +21,7 @@ out of the update together with their group (a group's baseline needs all of its
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 from collections import Counter
@@ -124,7 +125,8 @@ class AgentGenerator:
             pending.thread.start()
         return pending
 
-    def result(self, pending: AgentPending, dist) -> Rollouts:
+    def episodes(self, pending: AgentPending, dist) -> list[Episode]:
+        """Every episode of a submitted batch, failed ones included, in sample order on every rank (a collective)."""
         if self.backend == "hf":
             self._run_into(pending)
         elif pending.thread is not None:
@@ -133,9 +135,11 @@ class AgentGenerator:
             raise pending.error
         local = pending.episodes or []
         if self.backend == "hf":
-            episodes = [e for part in all_gather_objects(local) for e in part]
-        else:
-            episodes = broadcast_object(local)
+            return [e for part in all_gather_objects(local) for e in part]
+        return broadcast_object(local)
+
+    def result(self, pending: AgentPending, dist) -> Rollouts:
+        episodes = self.episodes(pending, dist)
         check_failures(episodes, self.max_failure_fraction)
         rollouts, dropped = episode_rollouts(episodes, self.generator.sampling.n, pending.version)
         self.last_metrics = {**episode_metrics(episodes), **environment_metrics(episodes),
@@ -154,16 +158,11 @@ class AgentGenerator:
         """The last batch's episode, environment and tool numbers."""
         return self.last_metrics
 
-    def evaluate(self, model, prompts) -> dict[str, float]:
-        """Greedy episodes of ``model`` on held-out ``prompts``: eval_success (the share whose reward is above 0),
-        eval_reward, eval_turns, eval_failed."""
-        episodes = held_out_episodes(model, self.tokenizer, [self.rows_of(p) for p in prompts], self.make_env,
-                                     self.limits, self.tools, self.concurrency)
-        ran = [e for e in episodes if not e.failed]
-        return {"eval_success": sum(e.reward > 0 for e in ran) / len(episodes),
-                "eval_reward": sum(e.reward for e in ran) / max(len(ran), 1),
-                "eval_turns": sum(e.turns for e in ran) / max(len(ran), 1),
-                "eval_failed": float(len(episodes) - len(ran))}
+    def with_sampling(self, sampling: SamplingConfig) -> AgentGenerator:
+        """Episodes of the same environments and engines, each turn sampled otherwise (the held-out evaluation)."""
+        other = copy.copy(self)
+        other.generator = self.generator.with_sampling(sampling)
+        return other
 
     def _run_into(self, pending: AgentPending) -> None:
         """Run this rank's episodes of ``pending`` (in this thread, with its own event loop); errors kept."""
@@ -224,19 +223,3 @@ def environment_metrics(episodes: list[Episode]) -> dict[str, float]:
         else:
             metrics[f"env/{name}"] = sum(values) / len(values)
     return metrics
-
-
-def held_out_episodes(model, tokenizer, samples: list[dict], make_env, limits: Limits, tools=None,
-                      concurrency: int = 256) -> list[Episode]:
-    """Greedy episodes of ``model`` (HF generation, batched turns) on held-out ``samples``: how the policy does
-    without sampling noise (``eval_tool_success``, ``--eval_prompt_data``)."""
-    from openpack.rollout.hf_engine import HFEngine
-
-    engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    policy = EnginePolicy(engine.generate, SamplingConfig(1, 0.0, 1.0, limits.max_new_tokens, stop), batched=True)
-
-    async def turn(ids, max_tokens, turn_index):
-        return await policy(ids, max_tokens, 0)
-
-    return asyncio.run(run_episodes(make_env, samples, turn, tokenizer, limits, concurrency, tools))
