@@ -362,6 +362,41 @@ def rm() -> list[Twin]:
     ]
 
 
+def rl_evaluation() -> list[Twin]:
+    """``--eval.*`` and ``--ckpt.best_metric_key`` of train_ppo_ray: openpack's held-out evaluation (docs/rl.md)."""
+    def eval_dataset(values: list[str], given: Given):
+        flags, note = datasets("--eval.dataset", "--eval_prompt_data", "--eval.split").translate(values, given)
+        if len(flags) > 2:
+            raise ConfigError(f"--eval.dataset {values[0]}: openpack evaluates one held-out prompt set "
+                              "(--eval_prompt_data); give one file or dataset")
+        return flags, note
+
+    def eval_steps(values: list[str], given: Given):
+        return ["--eval_steps", *never_is_none(values)], None
+
+    def best_metric_key(values: list[str], given: Given):
+        if values[0] in ("", "none"):
+            return [], (f"--ckpt.best_metric_key {values[0] or '(empty)'}: no best checkpoint is kept (OpenRLHF's "
+                        "empty value picks a pass@1 key itself; openpack keeps one only for a key named)")
+        return ["--best_metric_key", values[0]], None
+
+    return [
+        custom("--eval.dataset", "1", ("--eval_prompt_data",), "`--eval_prompt_data` (one file or dataset; hub "
+               "names get `@SPLIT` from `--eval.split`)", eval_dataset),
+        split("--eval.split", "--eval.dataset", "--eval_prompt_data"),
+        custom("--eval.steps", "1", ("--eval_steps",), "`--eval_steps`: -1 is none (before and after training only)",
+               eval_steps),
+        same("--eval.temperature", "--eval_temperature", meaning="`--eval_temperature` (OpenRLHF's default 0.6; "
+             "openpack's: greedy with one sample, else `--temperature`)"),
+        same("--eval.n_samples_per_prompt", "--eval_n_samples_per_prompt", meaning="`--eval_n_samples_per_prompt` "
+             "(OpenRLHF's default 4, openpack's 1); openpack's pass@k is the unbiased estimator, OpenRLHF's the "
+             "best of the n samples"),
+        custom("--ckpt.best_metric_key", "1", ("--best_metric_key",), "`--best_metric_key`, named as openpack logs "
+               "it (`eval/reward/pass@1`, not `eval_default_pass1`); empty or `none`: no best checkpoint",
+               best_metric_key),
+    ]
+
+
 UNUSED = "; the value is not used"
 REF_PLACEMENT = "openpack keeps the reference in the policy's ranks (or, with --ref_num_nodes 1, in one actor)" + UNUSED
 REWARD_PLACEMENT = "openpack runs each reward model as one Ray actor (in rank 0 with --colocate_critic_reward)" + UNUSED
@@ -517,15 +552,7 @@ def rl() -> list[Twin]:
         custom("--train.async_queue_size", "1", ("--max_staleness",), "`--max_staleness` (rollout batches ahead), "
                "with `--train.async_enable`", async_queue_size),
         missing("--train.partial_rollout_enable", "0", "partial rollouts (a generation spanning a weight update)"),
-        missing("--eval.dataset", "1", "held-out evaluation with sampling and pass@k during RL", fix="agent runs "
-                "have --eval_prompt_data (greedy episodes before and after training)"),
-        accepted("--eval.steps", "1", "nothing to evaluate (--eval.dataset is refused); the value is not used"),
-        accepted("--eval.split", "1", "nothing to evaluate (--eval.dataset is refused); the value is not used"),
-        accepted("--eval.temperature", "1", "nothing to evaluate (--eval.dataset is refused); the value is not used"),
-        accepted("--eval.n_samples_per_prompt", "1", "nothing to evaluate (--eval.dataset is refused); the value is "
-                 "not used"),
-        missing("--ckpt.best_metric_key", "1", "keeping the best checkpoint by an evaluation metric",
-                off=("", "none")),
+        *rl_evaluation(),
         same("--actor.gradient_checkpointing_enable", "--gradient_checkpointing", "0"),
         missing("--actor.gradient_checkpointing_reentrant", "0", "reentrant activation checkpointing (openpack's is "
                 "non-reentrant)"),

@@ -171,7 +171,9 @@ SAME_RUNS = {
         "--reward.clip_range -5 5 --reward.overlong_buffer_len 512.0 --reward.overlong_penalty_factor 0.5 "
         "--algo.kl.target 0.1 --algo.kl.horizon 5000 --rollout.temperature 0.9 --rollout.top_p 0.95 "
         "--train.num_episodes 2 --rollout.micro_batch_size 16 --train.async_enable --train.async_queue_size 2 "
-        "--critic.adam.betas 0.9 0.95 --critic.max_norm 1.0 --train.seed 3 --actor.lr_warmup_ratio 0.0",
+        "--critic.adam.betas 0.9 0.95 --critic.max_norm 1.0 --train.seed 3 --actor.lr_warmup_ratio 0.0 "
+        "--eval.dataset org/held --eval.split test --eval.steps 10 --eval.temperature 0.6 "
+        "--eval.n_samples_per_prompt 4 --ckpt.best_metric_key eval/reward/pass@1",
         "--num_nodes 2 --num_gpus_per_node 8 --rollout_backend vllm --vllm_num_engines 4 "
         "--vllm_tensor_parallel_size 2 --colocate_all_models --vllm_gpu_memory_utilization 0.5 --pretrain org/sft "
         "--reward_pretrain org/rm1 org/rm2 --critic_pretrain org/critic --save_path ./out/ppo --ckpt_path ./out/ckpt "
@@ -182,6 +184,8 @@ SAME_RUNS = {
         "--apply_chat_template --gradient_checkpointing --packing_samples --vllm_sync_backend inhost "
         "--use_dynamic_batch --max_tokens_per_gpu 16384 --is_correction_type icepop "
         "--is_correction_threshold 0.2 4 --advantage_estimator gae --lambd 0.95 --gamma 0.99 --eps_clip 0.1 "
+        "--eval_prompt_data org/held@test --eval_steps 10 --eval_temperature 0.6 --eval_n_samples_per_prompt 4 "
+        "--best_metric_key eval/reward/pass@1 "
         "--eps_clip_low_high 0.2 0.28 --dual_clip 3 --value_clip 0.3 --freezing_actor_steps 5 "
         "--policy_loss_type gspo --entropy_coef 0.001 --reward_clip_range -5 5 --overlong_buffer_len 512 "
         "--overlong_penalty_factor 0.5 --target_kl 0.1 --kl_horizon 5000 --temperature 0.9 --top_p 0.95 "
