@@ -43,6 +43,16 @@ class ModelConfig:
         check_lora_flags(self)
 
 
+def check_attention_backend(model: ModelConfig) -> None:
+    """An --attn_backend this environment lacks (flash-attn not installed) is refused in the driver, before Ray or
+    any worker starts; here, not in ``validate``, so that parsing a command line needs no kernel installed."""
+    from openpack.models.attention import unavailable_backend
+
+    reason = unavailable_backend(model.attn_backend)
+    if reason:
+        raise ConfigError(reason)
+
+
 def check_lora_flags(model: ModelConfig) -> None:
     """--load_in_4bit only with adapters, and only where bitsandbytes runs: refused before any model loads."""
     if not model.load_in_4bit:

@@ -140,3 +140,22 @@ def test_bad_policy_loss_and_correction_flags_fail_before_the_run(capsys, flags,
 
     assert run(train_grpo.main, [*flags, "--launcher", "local"]) == 2
     assert expected in one_line(capsys)
+
+
+@pytest.mark.parametrize("command,flags", [
+    ("train_sft", ["--attn_backend", "flash_attn"]),
+    ("train_dpo", ["--attn_backend", "flash_attn", "--launcher", "ray"]),
+    ("train_grpo", ["--ds.attn_implementation", "flash_attention_2", "--launcher", "ray"]),
+])
+def test_a_missing_attention_backend_is_refused_before_any_worker(command, flags, capsys, monkeypatch):
+    """Issue 41: on a machine without flash-attn, --attn_backend flash_attn (or OpenRLHF's flash_attention_2)
+    ended in an ImportError traceback relayed by Ray from the workers. Now the driver says so in one line."""
+    import importlib
+
+    from openpack.models import attention
+
+    monkeypatch.setattr(attention, "_flash_attn_installed", lambda: False)  # also where flash-attn is installed
+    main = importlib.import_module(f"openpack.cli.{command}").main
+    assert run(main, flags) == 2
+    line = one_line(capsys)
+    assert "--attn_backend flash_attn: flash-attn is not installed here" in line and "Traceback" not in line
