@@ -16,10 +16,11 @@ a server.
   a growing pause, and a server that is down or hangs ends the run with one line naming the URL; an error
   status or a body that is not that JSON ends it quoting the status and the body's first bytes.
 * ``--remote_rm_url file.py``: OpenRLHF's reward file, called as OpenRLHF 0.11 calls it, once per completion:
-  ``reward_func([query], [prompt], [label])`` with the query the prompt and the completion (its special tokens
-  kept, as OpenRLHF decodes), the prompt as the model saw it (templates applied) and the ``--label_key`` column ("" without
-  one); it returns ``{"rewards": ..., "scores": ..., "extra_logs": ...}`` or the rewards alone (a tensor, a list
-  or a number). The file is loaded and its signature checked before the run starts (``load_openrlhf_reward``).
+  ``reward_func([query], [prompt], [label])``, the query being the prompt and the completion (its special tokens
+  kept, as OpenRLHF decodes), the prompt as the model saw it (templates applied), the label the ``--label_key``
+  column ("" without one); it returns ``{"rewards": ..., "scores": ..., "extra_logs": ...}`` or the rewards alone
+  (a tensor, a list or a number). The file is loaded and its signature checked before the run starts
+  (``load_openrlhf_reward``).
 * ``--reward_pretrain DIR [DIR ...]``: reward models saved by ``openpack train_rm`` score the token ids of
   prompt + completion, normalised as their config says; several are summed with ``--reward_weights`` or
   combined by ``--reward_fn`` (called with ``rm_scores=[[...] per model]``).
