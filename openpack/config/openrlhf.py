@@ -623,10 +623,10 @@ def rl() -> list[Twin]:
         same("--actor.model_name_or_path", "--pretrain"),
         same("--reward.model_name_or_path", "--reward_pretrain", convert=comma_list,
              meaning="`--reward_pretrain`: `a,b` is `a b` (summed; OpenRLHF sums them too)"),
-        custom("--reward.remote_url", "1", ("--remote_rm_url",), "`--remote_rm_url URL` (the same JSON protocol); "
-               "several URLs refused (one server per run), and so is a `.py` file (OpenRLHF's "
-               "`reward_func(queries, prompts, labels)`; openpack's `--reward_fn` calls `f(prompts, completions, "
-               "rows)` and takes floats)", remote_url),
+        custom("--reward.remote_url", "1", ("--remote_rm_url",), "`--remote_rm_url URL` (the same JSON protocol), or "
+               "`--remote_rm_url file.py` (OpenRLHF's `reward_func(queries, prompts, labels)`, called as OpenRLHF "
+               "calls it, one query a call; `openrlhf.utils`' math helpers importable without openrlhf); several "
+               "URLs refused (one server per run)", remote_url),
         same("--critic.model_name_or_path", "--critic_pretrain"),
         missing("--ds.value_head_prefix", "1", "reward models with another head name in RL (save them with "
                 "openpack train_rm, or under score)", off=("score",)),
@@ -655,11 +655,6 @@ def remote_url(values: list[str], given: Given):
     if len(urls) > 1:
         raise ConfigError(f"--reward.remote_url {values[0]}: several reward servers sharing a batch are not in "
                           "openpack; give one URL (an OpenRLHF 0.11 flag; docs/openrlhf.md)")
-    if urls[0].endswith(".py"):
-        raise ConfigError(f"--reward.remote_url {urls[0]}: OpenRLHF's reward_func(queries, prompts, labels) file is "
-                          "not in openpack, whose --reward_fn path.py:function is called as f(prompts, completions, "
-                          "rows) and returns floats; wrap the function in one (an OpenRLHF 0.11 flag; "
-                          "docs/openrlhf.md)")
     return ["--remote_rm_url", urls[0]], None
 
 

@@ -158,7 +158,8 @@ class RLConfig:
                                                       special={None: "0.5 5 (OpenRLHF's)"})
     reward_fn: str | None = arg(None, "rule reward: path/to/file.py:function(prompts, completions, rows) -> floats")
     remote_rm_url: str | None = arg(None, "reward server (OpenRLHF's JSON protocol: POST query/prompts/labels, "
-                                    "answer {'rewards': [...]})")
+                                    "answer {'rewards': [...]}), or OpenRLHF's reward file: a .py defining "
+                                    "reward_func(queries, prompts, labels, **kwargs)")
     remote_rm_timeout: float = arg(60.0, "seconds a --remote_rm_url request may take before it is retried", above=0)
     reward_timeout: float = arg(300.0, "seconds one call of --reward_fn or --remote_rm_url (retries included) may "
                                 "take before the run stops naming it", at_least=0,

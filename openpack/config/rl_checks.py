@@ -84,6 +84,8 @@ def check_rl(cfg: PPORunConfig) -> None:
         raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
     if cfg.agent.enabled:
         check_agent(cfg)
+    else:
+        check_reward_file(rl_cfg.remote_rm_url)
     check_evaluation(cfg)
 
 
@@ -103,6 +105,19 @@ def check_evaluation(cfg: PPORunConfig) -> None:
         if eval_cfg.best_metric_key not in names:
             raise ConfigError(f"--best_metric_key {eval_cfg.best_metric_key} is not a metric this run's evaluation "
                               f"logs; choose one of: {', '.join(names)}")
+
+
+def check_reward_file(url: str | None) -> None:
+    """``--remote_rm_url file.py`` (OpenRLHF's reward_func file) is imported and its function checked here, so a
+    missing file, an import error or a wrong signature is one line before Ray, DeepSpeed or an engine starts (it
+    was a failed HTTP request at the first rollout batch)."""
+    from openpack.rl.rewards import RewardError, is_reward_file, load_openrlhf_reward
+
+    if is_reward_file(url):
+        try:
+            load_openrlhf_reward(url)
+        except RewardError as err:
+            raise ConfigError(str(err)) from err
 
 
 def check_rollout_backend(cfg: PPORunConfig) -> None:

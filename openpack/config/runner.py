@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from openpack.config import openrlhf
 from openpack.config.schema import ConfigError, RunConfig, special_values
+from openpack.config.sections import check_attention_backend
 from openpack.orchestration.launch import launched_by_environment
 
 
@@ -55,6 +56,7 @@ def run_training(command: TrainingCommand, argv: list[str] | None) -> int:
         cfg = command.run_config.parse(argv, f"openpack {command.name}", command.description,
                                        aliases=command.aliases, epilog=epilog or None,
                                        twins=openrlhf.help_names(command.name))
+        check_attention_backend(cfg.model, getattr(cfg, "launch", None))  # first: the cheapest check, and every command has one
         cfg = command.prepare(cfg)
     except (ConfigError, DataError, ModelLoadError) as err:
         return refused(command.name, err, 2)

@@ -43,6 +43,20 @@ class ModelConfig:
         check_lora_flags(self)
 
 
+def check_attention_backend(model: ModelConfig, launch=None) -> None:
+    """An --attn_backend this environment lacks (flash-attn not installed) is refused in the driver, before Ray or
+    any worker starts; here, not in ``validate``, so that parsing a command line needs no kernel installed.
+    Not when the ranks run on a Ray cluster elsewhere (``--ray_address`` or ``$RAY_ADDRESS``): a CPU head node
+    without flash-attn drives GPU workers that have it."""
+    from openpack.models.attention import unavailable_backend
+
+    if launch is not None and launch.launcher == "ray" and (launch.ray_address or os.environ.get("RAY_ADDRESS")):
+        return
+    reason = unavailable_backend(model.attn_backend)
+    if reason:
+        raise ConfigError(reason)
+
+
 def check_lora_flags(model: ModelConfig) -> None:
     """--load_in_4bit only with adapters, and only where bitsandbytes runs: refused before any model loads."""
     if not model.load_in_4bit:

@@ -81,11 +81,23 @@ def set_attention_backend(name: str) -> None:
     global _requested
     if name not in BACKENDS:
         raise ValueError(f"--attn_backend must be one of {BACKENDS}, got {name!r}")
-    if name == "flash_attn" and not _flash_attn_installed():
-        raise ValueError("--attn_backend flash_attn: flash-attn is not installed (pip install openpack[gpu])")
-    if name == "torch_varlen" and not _torch_varlen_available():
-        raise ValueError("--attn_backend torch_varlen needs torch >= 2.10 with torch.nn.attention.varlen")
+    reason = unavailable_backend(name)
+    if reason:
+        raise ValueError(reason)
     _requested = name
+
+
+def unavailable_backend(name: str) -> str | None:
+    """Why ``--attn_backend name`` cannot run in this environment (one line naming the fix), or None. The driver
+    asks before any worker starts (``config.sections.check_attention_backend``), so a missing flash-attn is one
+    line, not an ImportError relayed by Ray from every rank."""
+    if name == "flash_attn" and not _flash_attn_installed():
+        return ("--attn_backend flash_attn: flash-attn is not installed here (pip install openpack[gpu], on a "
+                "machine with a CUDA GPU); or use --attn_backend auto, which picks torch_varlen or sdpa")
+    if name == "torch_varlen" and not _torch_varlen_available():
+        return (f"--attn_backend torch_varlen needs torch >= 2.10 with torch.nn.attention.varlen (torch "
+                f"{torch.__version__} here); use --attn_backend auto or sdpa")
+    return None
 
 
 def resolve_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16, softcap: bool = False) -> str:

@@ -115,11 +115,15 @@ def merged_weight_names(model) -> list[str]:
 
 def _walk(module, prefix: str, zero_stage: int, seen: set | None, names_only: bool = False):
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
     from peft.utils import ModulesToSaveWrapper
 
     if isinstance(module, ModulesToSaveWrapper):
         module = module.modules_to_save[module.active_adapters[0]] if not module.disable_adapters \
             else module.original_module
+    if isinstance(module, ParamWrapper):  # before LoraLayer, its base class: adapters on parameters, not a Linear
+        yield from _merged_parameters(module, prefix, zero_stage, seen, names_only)
+        return
     if isinstance(module, LoraLayer) and names_only:
         yield prefix + "weight", None
         if getattr(module.get_base_layer(), "bias", None) is not None:
@@ -151,6 +155,32 @@ def _merged_layer(layer, prefix: str):
     yield prefix + "weight", weight.clone()
     if getattr(base, "bias", None) is not None:
         yield prefix + "bias", base.bias.data.detach().clone()
+
+
+def _merged_parameters(wrapper, prefix: str, zero_stage: int, seen: set | None, names_only: bool):
+    """A module whose parameters carry LoRA (peft's ``ParamWrapper``): MoE experts stored as stacked 3-D weights
+    (transformers 5's ``MixtralExperts``: ``gate_up_proj`` [experts, 2 x inter, hidden], ``down_proj``), which
+    peft's all-linear targets through ``target_parameters``, one wrapper per parameter, nested. Each parameter is
+    yielded under the experts module's own name, its wrapper's delta (``get_delta_weight``, the shape of the
+    parameter, what peft's ``merge`` adds) added; the module has no ``weight`` for ``_merged_layer`` to read."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    deltas, base = {}, wrapper
+    while isinstance(base, ParamWrapper):
+        deltas[base.parameter_name] = base
+        base = base.base_layer
+    with _gathered([] if names_only else list(wrapper.parameters()), zero_stage):
+        for name, param in base.named_parameters(recurse=False):
+            if names_only:
+                yield prefix + name, None
+                continue
+            weight, layer = param.data.detach(), deltas.get(name)
+            for adapter in layer.active_adapters if layer is not None else ():
+                if adapter in layer.lora_A:
+                    weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+            yield prefix + name, weight.clone()
+    for name, child in base.named_children():
+        yield from _walk(child, f"{prefix}{name}.", zero_stage, seen, names_only)
 
 
 def _gathered(params: list, zero_stage: int):

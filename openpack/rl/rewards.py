@@ -15,6 +15,12 @@ a server.
   ``{"rewards": [...]}``; each request has a timeout, failures are retried a bounded number of times with
   a growing pause, and a server that is down or hangs ends the run with one line naming the URL; an error
   status or a body that is not that JSON ends it quoting the status and the body's first bytes.
+* ``--remote_rm_url file.py``: OpenRLHF's reward file, called as OpenRLHF 0.11 calls it, once per completion:
+  ``reward_func([query], [prompt], [label])``, the query being the prompt and the completion (its special tokens
+  kept, as OpenRLHF decodes), the prompt as the model saw it (templates applied), the label the ``--label_key``
+  column ("" without one); it returns ``{"rewards": ..., "scores": ..., "extra_logs": ...}`` or the rewards alone
+  (a tensor, a list or a number). The file is loaded and its signature checked before the run starts
+  (``load_openrlhf_reward``).
 * ``--reward_pretrain DIR [DIR ...]``: reward models saved by ``openpack train_rm`` score the token ids of
   prompt + completion, normalised as their config says; several are summed with ``--reward_weights`` or
   combined by ``--reward_fn`` (called with ``rm_scores=[[...] per model]``).
@@ -25,6 +31,7 @@ a server.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import math
 import threading
@@ -87,6 +94,80 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise RewardError(f"--reward_fn {spec}: {file} has no function {name!r}")
     fn.reward_name = f"--reward_fn {spec}"
     return fn
+
+
+def is_reward_file(url: str | None) -> bool:
+    """``--remote_rm_url`` names OpenRLHF's Python reward file rather than a server (OpenRLHF tells them apart
+    the same way: by the ``.py`` ending)."""
+    return bool(url) and url.endswith(".py")
+
+
+def load_openrlhf_reward(path: str) -> Callable:
+    """The ``reward_func`` of OpenRLHF's reward file ``path`` (``--remote_rm_url file.py``), imported with the
+    ``openrlhf`` names it may import (``rl/openrlhf_shim``) and checked: it exists and takes (queries, prompts,
+    labels). Anything else is a RewardError naming the file and the fix; the driver asks before the run starts."""
+    from openpack.rl.openrlhf_shim import openrlhf_names
+
+    flag, file = f"--remote_rm_url {path}", Path(path).expanduser()
+    if not file.is_file():
+        raise RewardError(f"{flag}: no such file; give OpenRLHF's reward file (a .py defining reward_func(queries, "
+                          "prompts, labels, **kwargs)) or a reward server's http:// URL")
+    module_spec = importlib.util.spec_from_file_location(f"openpack_reward_func_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        with openrlhf_names():
+            module_spec.loader.exec_module(module)
+    except Exception as err:  # the user's file: any error is theirs to see, with where it came from
+        raise RewardError(f"{flag}: importing it failed: {type(err).__name__}: {err}") from err
+    fn = getattr(module, "reward_func", None)
+    if not callable(fn):
+        raise RewardError(f"{flag}: the file defines no function reward_func; OpenRLHF's reward file defines "
+                          "reward_func(queries, prompts, labels, **kwargs)")
+    try:
+        inspect.signature(fn).bind(["query"], ["prompt"], ["label"])
+    except TypeError as err:
+        raise RewardError(f"{flag}: reward_func{inspect.signature(fn)} cannot be called as reward_func(queries, "
+                          f"prompts, labels), as OpenRLHF calls it ({err}); give it those three parameters "
+                          "(and **kwargs)") from err
+    except ValueError:  # a builtin or C function without a signature: called as it is
+        pass
+    return fn
+
+
+def openrlhf_reward(path: str, label_key: str | None) -> RewardFn:
+    """OpenRLHF's ``reward_func`` of ``path`` as a reward source (see the module docstring for how it is called);
+    an answer that is not rewards is a RewardError naming the file and what came back.
+
+    The completions come with their special tokens (``keeps_special_tokens``), so a query is prompt + completion
+    as OpenRLHF decodes its ids (``skip_special_tokens=False``): ``"sort: cab\n" + "abc<eos>"``. OpenRLHF encodes
+    its prompt text without adding a bos, so its query starts with the prompt, which its example files cut off
+    (``query[len(prompt):]``); openpack's prompt ids may hold an added bos, hence the text, not the ids."""
+    fn = load_openrlhf_reward(path)
+
+    def reward(prompts, completions, rows):
+        labels = [row.get(label_key, "") if label_key else "" for row in rows]
+        return [value for prompt, completion, label in zip(prompts, completions, labels)
+                for value in _openrlhf_rewards(fn([prompt + completion], [prompt], [label]), path)]
+
+    reward.reward_name = f"--remote_rm_url {path} (reward_func)"
+    reward.keeps_special_tokens = True
+    return reward
+
+
+def _openrlhf_rewards(answer, path: str) -> list:
+    """One query's rewards from what ``reward_func`` returned: a dict's ``rewards``, or the rewards alone."""
+    rewards = answer.get("rewards") if isinstance(answer, dict) else answer
+    if hasattr(rewards, "tolist"):  # a tensor or an array, of one value or a 0-d one
+        rewards = rewards.tolist()
+    if isinstance(rewards, (int, float)) and not isinstance(rewards, bool):
+        rewards = [rewards]
+    if not isinstance(rewards, list) or len(rewards) != 1:
+        what = f"a dict without 'rewards' (keys {list(answer)})" if isinstance(answer, dict) and \
+            "rewards" not in answer else f"{type(answer).__name__} {str(answer)[:80]!r}"
+        raise RewardError(f"--remote_rm_url {path}: reward_func returned {what} for one query; return "
+                          "{'rewards': tensor([r]), 'scores': ..., 'extra_logs': {...}} or the rewards alone, "
+                          "one per query")
+    return rewards
 
 
 def remote_reward(url: str, timeout_s: float = 60.0, retries: int = 3, pause_s: float = 1.0,
@@ -227,6 +308,7 @@ def checked(source: RewardFn, timeout_s: float | None = None) -> Callable[..., l
 
     reward.reward_name = name
     reward.by_source = by_source
+    reward.keeps_special_tokens = getattr(source, "keeps_special_tokens", False)
     return reward
 
 
@@ -283,13 +365,16 @@ def within(timeout_s: float | None, call: Callable, message: str):
 
 def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
     """--reward_pretrain (``scorers``: one per model; with --reward_fn combining them), --reward_fn,
-    --remote_rm_url, exact match on --label_key, or (demo) the task's exact match; checked."""
+    --remote_rm_url (a server, or OpenRLHF's reward file), exact match on --label_key, or (demo) the task's exact
+    match; checked."""
     if rl_cfg.reward_pretrain:
         combine = load_reward_fn(rl_cfg.reward_fn) if rl_cfg.reward_fn else None
         return checked(reward_models(scorers, rl_cfg.reward_pretrain, rl_cfg.reward_weights, combine))
     timeout = rl_cfg.reward_timeout or None  # reward models are not cut off: their speed is the trainer's
     if rl_cfg.reward_fn:
         return checked(load_reward_fn(rl_cfg.reward_fn), timeout)
+    if is_reward_file(rl_cfg.remote_rm_url):
+        return checked(openrlhf_reward(rl_cfg.remote_rm_url, data_cfg.label_key), timeout)
     if rl_cfg.remote_rm_url:
         return checked(remote_reward(rl_cfg.remote_rm_url, rl_cfg.remote_rm_timeout, label_key=data_cfg.label_key
                                      or "label"), timeout)
@@ -327,8 +412,9 @@ class SourceRewards:
                               self._sequences(rollouts))
 
     def _texts(self, prompts: list[Prompt], rollouts: Rollouts) -> tuple[list[str], list[str], list[dict]]:
+        special = getattr(self.source, "keeps_special_tokens", False)  # OpenRLHF's reward files: its decoding
         return ([p.text for p in prompts for _ in range(self.n)],
-                self.tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=True),
+                self.tokenizer.batch_decode(rollouts.completion_tokens, skip_special_tokens=not special),
                 [p.row for p in prompts for _ in range(self.n)])
 
     @staticmethod

@@ -220,17 +220,20 @@ def rollout_sampling(generator):
 
 def agent_generator(cfg, generator: Generator, tokenizer):
     """Episodes of the run's environment instead of single completions (``rl/agents``): each prompt row, with its
-    --input_key as ``prompt`` and its --label_key as ``label``, is the sample an environment resets on."""
+    --input_key as ``prompt`` (for OpenRLHF's agent files the prompt as the model sees it: templates applied, as
+    OpenRLHF renders it before ``reset``) and its --label_key as ``label``, is the sample an environment resets
+    on."""
     from openpack.rl.agents.generation import AgentGenerator
     from openpack.rl.agents.setup import agent_environment, concurrency, episode_limits, max_failure_fraction
 
     agent_cfg, data_cfg = cfg.agent, cfg.data
     make_env, tools = agent_environment(agent_cfg, cfg.rl.reward_fn, data_cfg.label_key)
+    rendered = getattr(make_env, "resets_on_rendered_prompt", False)  # OpenRLHF's files: the text the model sees
 
     def sample_of(prompt: Prompt) -> dict:
         row = dict(prompt.row)
         label = row.get(data_cfg.label_key) if data_cfg.label_key else row.get("label")
-        return {**row, "prompt": row[data_cfg.input_key], "label": label}
+        return {**row, "prompt": prompt.text if rendered else row[data_cfg.input_key], "label": label}
 
     return AgentGenerator(generator, make_env, sample_of, tokenizer, episode_limits(cfg), concurrency(agent_cfg),
                           max_failure_fraction(agent_cfg), tools)

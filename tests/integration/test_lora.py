@@ -275,3 +275,32 @@ def test_a_tied_lora_policy_sends_its_head_under_both_names():
     tensors = dict(sent)
     assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
     assert "lm_head.weight" not in dict(merged_weights(model))  # the export's state dict: once, as before
+
+
+def test_mixtral_experts_with_lora_save_merged(tmp_path, sft_jsonl):
+    """Issue 41: LoRA on a Mixtral trained, then crashed at the save ('MixtralExperts' object has no attribute
+    'weight'): transformers 5 stores the experts as stacked 3-D parameters, which peft's all-linear adapts through
+    parameter wrappers. The experts' adapters now train and merge: the saved model is the base + adapter (peft)."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+
+    tokenizer = build_demo_tokenizer()
+    config = AutoConfig.for_model("mixtral", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                  num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    base = tmp_path / "mixtral"
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    run = sft(tmp_path / "run", str(base), sft_jsonl, "--max_steps", "2")
+    merged = load_weights(run)
+    start = load_file(f"{base}/model.safetensors")
+    experts = "model.layers.0.block_sparse_moe.experts.0.w1.weight"  # transformers saves Mixtral's classic names
+    assert merged[experts].shape == start[experts].shape and not torch.equal(merged[experts], start[experts])
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "adapter").eval()
+    saved = AutoModelForCausalLM.from_pretrained(run / "model").eval()
+    ids = torch.randint(3, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(saved(input_ids=ids).logits, with_adapter(input_ids=ids).logits, atol=1e-5, rtol=0)

@@ -162,3 +162,37 @@ def test_bad_evaluation_flags_fail_before_the_run(capsys, tmp_path, flags, expec
     flags = [f.format(held_out=held_out) for f in flags]
     assert run(train_grpo.main, [*flags, "--rollout_backend", "hf", "--launcher", "local"]) == 2
     assert expected.format(held_out=held_out) in one_line(capsys)
+
+
+@pytest.mark.parametrize("command,flags", [
+    ("train_sft", ["--attn_backend", "flash_attn"]),
+    ("train_dpo", ["--attn_backend", "flash_attn", "--launcher", "ray"]),
+    ("train_grpo", ["--ds.attn_implementation", "flash_attention_2", "--launcher", "ray"]),
+])
+def test_a_missing_attention_backend_is_refused_before_any_worker(command, flags, capsys, monkeypatch):
+    """Issue 41: on a machine without flash-attn, --attn_backend flash_attn (or OpenRLHF's flash_attention_2)
+    ended in an ImportError traceback relayed by Ray from the workers. Now the driver says so in one line."""
+    import importlib
+
+    from openpack.models import attention
+
+    monkeypatch.setattr(attention, "_flash_attn_installed", lambda: False)  # also where flash-attn is installed
+    main = importlib.import_module(f"openpack.cli.{command}").main
+    assert run(main, flags) == 2
+    line = one_line(capsys)
+    assert "--attn_backend flash_attn: flash-attn is not installed here" in line and "Traceback" not in line
+
+
+def test_a_cluster_s_workers_are_not_judged_by_the_driver_s_kernels(monkeypatch):
+    """With --ray_address the ranks run elsewhere (a CPU head node drives GPU workers): the driver's missing
+    flash-attn is no reason to refuse."""
+    from types import SimpleNamespace
+
+    from openpack.config.sections import ConfigError, check_attention_backend
+    from openpack.models import attention
+
+    monkeypatch.setattr(attention, "_flash_attn_installed", lambda: False)
+    model = SimpleNamespace(attn_backend="flash_attn")
+    check_attention_backend(model, SimpleNamespace(launcher="ray", ray_address="10.0.0.1:6379"))
+    with pytest.raises(ConfigError):
+        check_attention_backend(model, SimpleNamespace(launcher="ray", ray_address=None))

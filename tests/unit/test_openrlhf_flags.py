@@ -262,6 +262,8 @@ def test_a_refused_flag_exits_2_with_one_line_before_any_work(monkeypatch, capsy
     (["--data.max_len", "1000", "--train.agent_func_path", "a.py"],
      ["--max_episode_tokens", "1000", "--agent_func_path", "a.py"]),
     (["--rollout.vllm_generate_batch_size", "128"], []),
+    (["--reward.remote_url", "/openrlhf/examples/python/reward_func.py"],
+     ["--remote_rm_url", "/openrlhf/examples/python/reward_func.py"]),  # OpenRLHF's reward file (issue 41)
     (["--critic.adam.eps", "1e-08"], []),
     (["--critic.lr_scheduler", "cosine_with_min_lr", "--actor.lr_scheduler", "cosine"], ["--lr_scheduler", "cosine"]),
 ])
@@ -281,7 +283,6 @@ def test_a_setting_openrlhf_ignores_alone_is_said_and_sets_nothing(argv, note):
 @pytest.mark.parametrize("argv,expected", [
     (["--data.max_len", "2048"], "without --rollout.max_new_tokens"),
     (["--reward.remote_url", "http://a,http://b"], "several reward servers"),
-    (["--reward.remote_url", "reward_func.py"], "OpenRLHF's reward_func(queries, prompts, labels)"),
     (["--critic.adam.betas", "0.9", "0.99"], "optimizer settings of the critic's own"),
     (["--rollout.max_tokens_per_gpu", "8192", "--train.max_tokens_per_gpu", "16384"], "a token cap"),
     (["--reward.overlong_buffer_len", "10.5"], "a whole number"),

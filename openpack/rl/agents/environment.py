@@ -20,16 +20,17 @@ OpenRLHF (``--agent_func_path``): a file defining ``AgentExecutor`` (a ``MultiTu
 instance class) or ``AgentInstance``, with ``async reset(states)`` / ``async step(states)``, where ``states``
 holds ``observation`` and ``label`` (reset) or ``observation_text``, ``action_text``, ``label`` (step), and step
 returns ``rewards`` (a tensor or float), ``environment_feedback``, ``done``, and optionally ``scores`` and
-``extra_logs``. Its feedback is raw text with the turn markup in it, appended as ids as OpenRLHF appends it; the
-episode's reward is the sum of its turns' ``rewards``. The file runs without openrlhf installed: its
-``from openrlhf.utils.agent import ...`` gets ``agents.openrlhf_compat`` while openpack loads it.
+``extra_logs``. ``reset``'s observation is the prompt as OpenRLHF hands it over: the text the model sees, chat
+messages rendered by the chat template (with its generation prompt). Its feedback is raw text with the turn markup
+in it, appended as ids as OpenRLHF appends it; the episode's reward is the sum of its turns' ``rewards``. The file
+runs without openrlhf installed: its ``from openrlhf.utils.agent import ...`` gets ``agents.openrlhf_compat``
+while openpack loads it (``rl/openrlhf_shim``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,7 +102,7 @@ class OpenRLHFEnvironment:
 
     async def reset(self, sample: dict) -> str:
         self.label = sample.get("label", "")
-        prompt = sample["prompt"]
+        prompt = sample["prompt"]  # the rendered prompt text (``openrlhf_factory``)
         states = await self.instance.reset({"observation": prompt, "label": self.label})
         observation = states.get("observation", prompt) if isinstance(states, dict) else prompt
         if not isinstance(observation, str):
@@ -126,6 +127,18 @@ class OpenRLHFEnvironment:
                           bool(result["done"]), metrics)
 
 
+def openrlhf_factory(cls):
+    """One-episode environments of an OpenRLHF ``AgentInstance`` class. ``resets_on_rendered_prompt``: OpenRLHF
+    hands ``reset`` the prompt as the model sees it (chat messages rendered by the chat template with its
+    generation prompt, or the text filled into the input template), not the dataset's column; the caller builds
+    the sample so (``rl/worker.agent_generator``)."""
+    def factory():
+        return OpenRLHFEnvironment(cls)
+
+    factory.resets_on_rendered_prompt = True
+    return factory
+
+
 def load_env_file(path: str, flag: str = "--env_file"):
     """The environment class of ``path``, as a factory of one-episode environments (``factory()``)."""
     file = Path(path)
@@ -135,12 +148,11 @@ def load_env_file(path: str, flag: str = "--env_file"):
     executor = getattr(module, "AgentExecutor", None)
     if executor is not None:
         try:
-            cls = executor().agent_instance_cls
+            return openrlhf_factory(executor().agent_instance_cls)
         except Exception as err:  # noqa: BLE001 - the user's constructor; say which
             raise EnvFileError(f"{flag} {path}: AgentExecutor() failed: {type(err).__name__}: {err}") from err
-        return lambda: OpenRLHFEnvironment(cls)
     if inspect.isclass(getattr(module, "AgentInstance", None)):
-        return lambda: OpenRLHFEnvironment(module.AgentInstance)
+        return openrlhf_factory(module.AgentInstance)
     candidates = [obj for obj in vars(module).values() if inspect.isclass(obj) and obj.__module__ == module.__name__
                   and all(inspect.iscoroutinefunction(getattr(obj, m, None)) for m in ("reset", "step"))]
     if len(candidates) != 1:
@@ -152,31 +164,14 @@ def load_env_file(path: str, flag: str = "--env_file"):
 
 
 def _exec_module(file: Path, flag: str):
+    from openpack.rl.openrlhf_shim import openrlhf_names
+
     name = f"openpack_env_{abs(hash(str(file.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
-    shimmed = _shim_openrlhf()
     try:
-        spec.loader.exec_module(module)
+        with openrlhf_names():  # without openrlhf installed, its imports resolve to openpack's stand-ins
+            spec.loader.exec_module(module)
     except Exception as err:  # noqa: BLE001 - the user's file; one line naming it
         raise EnvFileError(f"{flag} {file}: importing it failed: {type(err).__name__}: {err}") from err
-    finally:
-        for key in shimmed:
-            sys.modules.pop(key, None)
     return module
-
-
-def _shim_openrlhf() -> list[str]:
-    """Without openrlhf installed, ``openrlhf.utils.agent`` resolves to ``openrlhf_compat`` (names put in
-    sys.modules, removed after the file loads)."""
-    if importlib.util.find_spec("openrlhf") is not None:
-        return []
-    import types
-
-    from openpack.rl.agents import openrlhf_compat
-
-    package, utils = types.ModuleType("openrlhf"), types.ModuleType("openrlhf.utils")
-    package.utils, utils.agent = utils, openrlhf_compat
-    modules = {"openrlhf": package, "openrlhf.utils": utils, "openrlhf.utils.agent": openrlhf_compat}
-    sys.modules.update(modules)
-    return list(modules)

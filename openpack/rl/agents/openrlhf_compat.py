@@ -3,7 +3,7 @@
 OpenRLHF's documented agent file (``--agent_func_path``) imports ``AgentInstanceBase`` and
 ``MultiTurnAgentExecutor`` from ``openrlhf.utils.agent`` and defines ``AgentExecutor``, a
 ``MultiTurnAgentExecutor`` over its ``AgentInstance`` class. While openpack loads such a file without openrlhf
-installed, ``openrlhf.utils.agent`` resolves to this module (``environment.load_env_file``): the classes only
+installed, ``openrlhf.utils.agent`` resolves to this module (``rl/openrlhf_shim``): the classes only
 have to exist and carry the instance class; openpack runs the episode itself (``environment.OpenRLHFEnvironment``).
 With openrlhf installed, the real module is imported and openpack reads the same attributes from it.
 """
