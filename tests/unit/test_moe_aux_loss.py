@@ -123,7 +123,11 @@ class RecordingEngine:
     """What a step function uses of DeepSpeed's engine: gradients accumulate, losses are recorded, nothing steps."""
 
     def __init__(self, module):
-        self.module, self.losses = module, []
+        from openpack.distributed.nonfinite import StepGuard
+
+        self.module, self.losses, self.global_steps = module, [], 0
+        self.step_guard = StepGuard()  # the step functions' non-finite check (distributed/nonfinite.py)
+        self.step_guard.engine = self
 
     def __call__(self, batch, **kwargs):
         return self.module(batch, **kwargs)
@@ -136,7 +140,10 @@ class RecordingEngine:
         loss.backward()
 
     def step(self):
-        pass
+        self.step_guard.skips()  # decided as DeepSpeed's inner optimizer step asks; nothing steps here
+
+    def was_step_applied(self):
+        return True
 
     def get_lr(self):
         return [0.0]
