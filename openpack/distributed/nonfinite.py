@@ -58,7 +58,9 @@ class StepGuard:
     def arm(self, loss: torch.Tensor, norm: torch.Tensor | float | None = None) -> None:
         """Before ``engine.step()`` at a boundary: this rank's share of the step's loss (a device scalar; the shares
         of every rank add up to the step's loss), and the gradient norm where it is known already (stage 0, fp32)."""
-        total = loss.detach().reshape(1).to(torch.float64)
+        # a copy: a float64 share would come back as a view of the caller's sums, which the reduction would then
+        # change in place (RL's logged loss read twice its value on 2 ranks)
+        total = loss.detach().to(torch.float64).reshape(1).clone()
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(total)  # on the device: inf or NaN anywhere makes the sum non-finite
         self._pending, self._decision = (total, norm), None
