@@ -416,18 +416,20 @@ def sync_backend(values: list[str], given: Given):
     return ["--vllm_sync_backend", backends[values[0]]], None
 
 
-def is_correction_type(values: list[str], given: Given):
-    if not given.has("--algo.advantage.is_correction_enable"):
-        return [], f"--algo.advantage.is_correction_type {values[0]}: no correction, as in OpenRLHF without " \
-                   "--algo.advantage.is_correction_enable"
-    return ["--is_correction_type", values[0]], None
+def without_switch(name: str, switch: str, flag: str, nothing: str = "no correction") -> Translate:
+    """``name`` sets ``flag`` only with OpenRLHF's enable ``switch`` given; without it, as in OpenRLHF, nothing
+    (said at start)."""
+    def translate(values: list[str], given: Given):
+        if not given.has(switch):
+            return [], f"{name} {' '.join(values)}: {nothing}, as in OpenRLHF without {switch}"
+        return [flag, *values], None
+    return translate
 
 
-def is_correction_threshold(values: list[str], given: Given):
-    if not given.has("--algo.advantage.is_correction_enable"):
-        return [], "--algo.advantage.is_correction_threshold: no correction, as in OpenRLHF without " \
-                   "--algo.advantage.is_correction_enable"
-    return ["--is_correction_threshold", *values], None
+is_correction_type = without_switch("--algo.advantage.is_correction_type", "--algo.advantage.is_correction_enable",
+                                    "--is_correction_type")
+is_correction_threshold = without_switch("--algo.advantage.is_correction_threshold",
+                                         "--algo.advantage.is_correction_enable", "--is_correction_threshold")
 
 
 def is_correction_enable(values: list[str], given: Given):
@@ -436,11 +438,8 @@ def is_correction_enable(values: list[str], given: Given):
     return ["--is_correction_type", "tis"], None  # OpenRLHF's default type
 
 
-def async_queue_size(values: list[str], given: Given):
-    if not given.has("--train.async_enable"):
-        return [], f"--train.async_queue_size {values[0]}: nothing to queue, as in OpenRLHF without " \
-                   "--train.async_enable"
-    return ["--max_staleness", values[0]], None
+async_queue_size = without_switch("--train.async_queue_size", "--train.async_enable", "--max_staleness",
+                                  "nothing to queue")
 
 
 def dynamic_filtering(values: list[str], given: Given):
