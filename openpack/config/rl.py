@@ -110,6 +110,9 @@ class RolloutConfig:
     ref_num_nodes: int = arg(0, "the reference model (a KL needs one) in a Ray actor of its own, one process on "
                              "one node, which every rank asks for its share (train_dpo's flag)", at_least=0, at_most=1,
                              special={0: "in every training rank"})
+    teacher_num_nodes: int = arg(0, "the distillation teacher (--teacher_pretrain) in a Ray actor of its own, one "
+                                 "process on one node, which every rank asks for its share (as --ref_num_nodes)",
+                                 at_least=0, at_most=1, special={0: "in every training rank"})
 
     def validate(self):
         if self.max_staleness is not None and not self.async_train:  # it would be ignored: the loop is synchronous
@@ -165,6 +168,15 @@ class RLConfig:
                                 "take before the run stops naming it", at_least=0,
                                 special={0.0: "no limit; the function runs in the main thread"})
     ref_pretrain: str | None = arg(None, "reference model of the KL term; default: --pretrain")
+    teacher_pretrain: str | None = arg(None, "on-policy distillation: this model, which must share the policy's "
+                                       "tokenizer, scores the policy's own samples, and each sampled token's "
+                                       "advantage gains --distill_coef x (log teacher - log policy); alone when no "
+                                       "reward is given (docs/rl.md, On-policy distillation)",
+                                       special={None: "no distillation"})
+    distill_coef: float | None = arg(None, "weight of the teacher's per-token term in the advantages", above=0,
+                                     special={None: "1 with --teacher_pretrain"})
+    teacher_offload: bool = arg(False, "keep the teacher's parameters on the CPU (ZeRO-3 parameter offload; needs "
+                                "--zero_stage 3)")
     target_kl: float | None = arg(None, "adaptive KL controller (Ziegler et al.): the coefficient of the reward's KL "
                                   "penalty moves toward this KL per token", above=0,
                                   special={None: "--init_kl_coef stays fixed"})
@@ -227,6 +239,10 @@ class RLConfig:
             raise ConfigError(f"--dynamic_filtering_max_empty_steps {self.dynamic_filtering_max_empty_steps} stops a "
                               "run whose --dynamic_filtering keeps no group, and this run does not filter: add "
                               "--dynamic_filtering, or drop --dynamic_filtering_max_empty_steps")
+        if not self.teacher_pretrain and (self.distill_coef is not None or self.teacher_offload):
+            raise ConfigError(f"{'--distill_coef' if self.distill_coef is not None else '--teacher_offload'} "
+                              "shapes on-policy distillation, and this run has no teacher: add --teacher_pretrain "
+                              "PATH, or drop it")
         critic_only = ("critic_pretrain", "freezing_actor_steps")
         if self.advantage_estimator != "gae" and any(getattr(self, f) for f in critic_only):
             raise ConfigError(f"--critic_pretrain and --freezing_actor_steps need a critic: --advantage_estimator "

@@ -21,8 +21,11 @@ def check_rl_run(cfg: PPORunConfig) -> PPORunConfig:
     """Every check of an RL run, in order, and the config it runs: ``--prefix_sharing`` chosen where unset."""
     check_rl(cfg)
     cfg = with_prefix_sharing(cfg)
-    check_inputs(cfg.data.prompt_data, {"--pretrain": cfg.model.pretrain, "--ref_pretrain": cfg.rl.ref_pretrain},
+    check_inputs(cfg.data.prompt_data, {"--pretrain": cfg.model.pretrain, "--ref_pretrain": cfg.rl.ref_pretrain,
+                                        "--teacher_pretrain": cfg.rl.teacher_pretrain},
                  "--prompt_data", cfg.train.prefix_sharing)
+    if cfg.rl.teacher_pretrain:
+        check_teacher_tokenizer(cfg.model.pretrain, cfg.rl.teacher_pretrain)
     if cfg.evaluation.eval_prompt_data:
         check_inputs([cfg.evaluation.eval_prompt_data], {}, "--eval_prompt_data")
     from openpack.models.reward import check_reward_model
@@ -86,7 +89,54 @@ def check_rl(cfg: PPORunConfig) -> None:
         check_agent(cfg)
     else:
         check_reward_file(rl_cfg.remote_rm_url)
+    check_distillation(cfg)
     check_evaluation(cfg)
+
+
+def check_distillation(cfg: PPORunConfig) -> None:
+    """--teacher_pretrain's placement flags, and what distillation alone (a teacher, no reward) cannot drive: a
+    critic, dynamic filtering or a held-out evaluation, which all read a task reward."""
+    from openpack.rl.rewards import distillation_only
+
+    model_cfg, rollout_cfg, rl_cfg = cfg.model, cfg.rollout, cfg.rl
+    if rollout_cfg.teacher_num_nodes and not rl_cfg.teacher_pretrain:
+        raise ConfigError("--teacher_num_nodes places the distillation teacher, and there is none: add "
+                          "--teacher_pretrain PATH, or drop --teacher_num_nodes")
+    if rollout_cfg.teacher_num_nodes and not (cfg.launch.launcher == "ray" and not launched_by_environment()):
+        raise ConfigError("--teacher_num_nodes puts the teacher in a Ray actor of its own: use --launcher ray, or "
+                          "drop it (the teacher then runs in every training rank)")
+    if rl_cfg.teacher_offload and model_cfg.zero_stage != 3:
+        raise ConfigError("--teacher_offload needs --zero_stage 3 (the teacher's parameters are offloaded by "
+                          "ZeRO-3)")
+    if not distillation_only(rl_cfg, cfg.data, cfg.agent):
+        return
+    alone = "with --teacher_pretrain and no reward, the teacher's per-token term is the only signal"
+    if rl_cfg.advantage_estimator == "gae":
+        raise ConfigError(f"--advantage_estimator gae trains a critic on the task reward's returns, and {alone} "
+                          "(a critic of zero returns only adds noise): use group_norm or reinforce, or give a "
+                          "reward (--reward_fn, --remote_rm_url, --reward_pretrain or --label_key)")
+    if rl_cfg.dynamic_filtering:
+        raise ConfigError(f"--dynamic_filtering drops groups of equal rewards, and {alone} (every reward is 0): "
+                          "drop --dynamic_filtering, or give a reward")
+    if cfg.evaluation.eval_prompt_data:
+        raise ConfigError(f"--eval_prompt_data scores held-out samples with the run's reward, and {alone}: give "
+                          "a reward (--reward_fn, --remote_rm_url, --reward_pretrain or --label_key), or drop "
+                          "--eval_prompt_data")
+
+
+def check_teacher_tokenizer(pretrain: str | None, teacher: str) -> None:
+    """On-policy distillation scores the policy's token ids with the teacher: both tokenizers must give every id
+    the same meaning (``models.loading.tokenizer_difference``). ``pretrain`` None: the demo model's tokenizer."""
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.loading import load_tokenizer, tokenizer_difference
+
+    student = load_tokenizer(pretrain) if pretrain else build_demo_tokenizer()
+    difference = tokenizer_difference(student, load_tokenizer(teacher, "--teacher_pretrain"))
+    if difference:
+        policy = f"--pretrain {pretrain}" if pretrain else "the demo model"
+        raise ConfigError(f"--teacher_pretrain {teacher} does not share the tokenizer of {policy} ({difference}), "
+                          "and distillation scores the policy's token ids with the teacher: use a teacher "
+                          "trained with the policy's tokenizer, or a policy of the teacher's family")
 
 
 def check_evaluation(cfg: PPORunConfig) -> None:
@@ -222,9 +272,10 @@ def check_colocation(rollout_cfg, world: int, backend: str) -> None:
     if backend != "vllm":
         raise ConfigError("--colocate_all_models colocates vLLM engines; with --rollout_backend hf the policy "
                           "already generates on its own devices: drop it, or use --rollout_backend vllm")
-    if rollout_cfg.ref_num_nodes:
-        raise ConfigError("--colocate_all_models keeps the reference model in the training ranks: drop "
-                          "--ref_num_nodes")
+    for flag in ("ref_num_nodes", "teacher_num_nodes"):
+        if getattr(rollout_cfg, flag, 0):
+            model = "reference model" if flag == "ref_num_nodes" else "distillation teacher"
+            raise ConfigError(f"--colocate_all_models keeps the {model} in the training ranks: drop --{flag}")
     if rollout_cfg.vllm_num_engines > world or rollout_cfg.vllm_tensor_parallel_size > 1:
         raise ConfigError(f"--colocate_all_models puts engine i on rank i's device: --vllm_num_engines "
                           f"{rollout_cfg.vllm_num_engines} must be at most the {world} rank(s), with "

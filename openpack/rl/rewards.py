@@ -26,6 +26,8 @@ a server.
   combined by ``--reward_fn`` (called with ``rm_scores=[[...] per model]``).
 * the built-in task: 1.0 when the completion is the right sum in the bare form, else 0.0 (what the DPO and
   RM demos prefer), read from the row's ``response``.
+* none, with ``--teacher_pretrain`` and none of the above (``DistillationOnly``): on-policy distillation alone,
+  every reward 0, the teacher's per-token term the whole advantage (``rl/experience.py``).
 """
 
 from __future__ import annotations
@@ -383,7 +385,19 @@ def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
     if is_demo:
         return checked(exact_match_reward)
     raise DataError("no reward: give --reward_fn path.py:function, --remote_rm_url URL, or --label_key COLUMN "
-                    "(exact match of the completion to that column)")
+                    "(exact match of the completion to that column), or --teacher_pretrain PATH (on-policy "
+                    "distillation alone)")
+
+
+def names_task_reward(rl_cfg, data_cfg) -> bool:
+    """Whether the flags name a reward source (``reward_source``'s, the built-in demo's aside)."""
+    return bool(rl_cfg.reward_pretrain or rl_cfg.reward_fn or rl_cfg.remote_rm_url or data_cfg.label_key)
+
+
+def distillation_only(rl_cfg, data_cfg, agent_cfg) -> bool:
+    """--teacher_pretrain with no reward flag and no environment: the teacher's signal alone (also in the demo,
+    whose exact-match reward then stays off)."""
+    return bool(rl_cfg.teacher_pretrain) and not names_task_reward(rl_cfg, data_cfg) and not agent_cfg.enabled
 
 
 class RolloutRewards(Protocol):
@@ -420,6 +434,16 @@ class SourceRewards:
     @staticmethod
     def _sequences(rollouts: Rollouts) -> list[list[int]]:
         return [p + c for p, c in zip(rollouts.prompt_tokens, rollouts.completion_tokens)]
+
+
+class DistillationOnly:
+    """No task reward (on-policy distillation alone): every completion's reward is 0, so every estimator's
+    advantage is 0 and the teacher's per-token term is the whole signal."""
+
+    name = "no reward (distillation alone)"
+
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
+        return [0.0] * rollouts.size
 
 
 class EpisodeRewards:
