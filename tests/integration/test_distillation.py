@@ -60,9 +60,13 @@ def test_distillation_alone_lowers_the_students_reverse_kl(rl_model, teacher, tm
     (["--teacher_num_nodes", "1", "--teacher_pretrain", "T"], "--teacher_num_nodes puts the teacher in a Ray actor"),
     (["--teacher_pretrain", "T", "--advantage_estimator", "gae"], "a critic of zero returns only adds noise"),
     (["--teacher_pretrain", "T", "--dynamic_filtering"], "--dynamic_filtering drops groups of equal rewards"),
+    (["--teacher_pretrain", "T", "--eval_prompt_data", "P"], "--eval_prompt_data scores held-out samples with the "
+                                                            "run's reward"),
+    (["--teacher_num_nodes", "1", "--launcher", "ray"], "--teacher_num_nodes places the distillation teacher, and "
+                                                        "there is none"),
 ])
 def test_flags_distillation_cannot_use_are_refused(flags, message, rl_model, teacher, tmp_path, capsys):
-    flags = [teacher if f == "T" else f for f in flags]
+    flags = [{"T": teacher, "P": str(rl_model / "prompts.jsonl")}.get(f, f) for f in flags]
     assert train_grpo.main(argv(rl_model, tmp_path, *flags)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
@@ -74,6 +78,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(rl_model, tmp_p
     other = tmp_path / "other"
     save_tiny_llama(other, seed=4, **SHAPE)
     build_demo_tokenizer("{}\"").save_pretrained(other)
+    capsys.readouterr()  # the save's own progress bars
     assert train_grpo.main(argv(rl_model, tmp_path / "run", "--teacher_pretrain", str(other))) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
