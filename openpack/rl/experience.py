@@ -8,8 +8,9 @@ trained tokens by the loss mask, so a distillation term pairs the teacher's and 
 token whatever the packing.
 
 The old policy's log-probs are computed in their own pass only when they differ from the update's own (several
-updates per rollout, a KL penalty in the reward, or an asynchronous rollout): with one update per rollout the
-ratio's denominator is the first forward's log-probs, detached, as TRL does for ``num_iterations=1``.
+updates per rollout) or are needed before it (a KL penalty in the reward, a distillation teacher's reverse KL;
+``RLSettings.needs_old_pass``): with one update per rollout the ratio's denominator is the first forward's
+log-probs, detached, as TRL does for ``num_iterations=1``.
 """
 
 from __future__ import annotations
