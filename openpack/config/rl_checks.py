@@ -7,6 +7,7 @@ tried here for the same reason.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from openpack.config.rl import PPORunConfig
 from openpack.config.schema import ConfigError
@@ -105,6 +106,11 @@ def check_distillation(cfg: PPORunConfig) -> None:
     if rollout_cfg.teacher_num_nodes and not (cfg.launch.launcher == "ray" and not launched_by_environment()):
         raise ConfigError("--teacher_num_nodes puts the teacher in a Ray actor of its own: use --launcher ray, or "
                           "drop it (the teacher then runs in every training rank)")
+    if rl_cfg.teacher_pretrain and Path(cfg.output.save_path).resolve() in \
+            [Path(rl_cfg.teacher_pretrain).resolve(), *Path(rl_cfg.teacher_pretrain).resolve().parents]:
+        raise ConfigError(f"--teacher_pretrain {rl_cfg.teacher_pretrain} lies inside --save_path "
+                          f"{cfg.output.save_path}, whose model this run replaces (the demo's --overwrite deletes "
+                          "it first): give this run another --save_path, e.g. runs/distill_demo")
     if rl_cfg.teacher_offload and model_cfg.zero_stage != 3:
         raise ConfigError("--teacher_offload needs --zero_stage 3 (the teacher's parameters are offloaded by "
                           "ZeRO-3)")

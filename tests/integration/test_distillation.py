@@ -86,3 +86,15 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(rl_model, tmp_p
     assert "vocabularies of 46 and 49 tokens" in err[0] and "use a teacher trained with the policy's tokenizer" \
         in err[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_teacher_inside_the_save_path_is_refused_and_kept(tmp_path, capsys):
+    """`openpack train_grpo --teacher_pretrain runs/grpo_demo/model` without --save_path would run in the GRPO demo's
+    own folder, whose --overwrite deletes the teacher: refused, the teacher left as it was."""
+    save_tiny_llama(tmp_path / "model", seed=4, **SHAPE)
+    capsys.readouterr()
+    assert train_grpo.main(["--teacher_pretrain", str(tmp_path / "model"), "--save_path", str(tmp_path),
+                            "--launcher", "local", "--rollout_backend", "hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lies inside --save_path" in err[0] and "another --save_path" in err[0], err
+    assert (tmp_path / "model" / "config.json").exists()
