@@ -1,7 +1,8 @@
 """``openpack train_ppo`` and ``openpack train_grpo``: online RL on packed experience, rollouts from vLLM or HF.
 
-One command with two defaults: ``train_grpo`` is ``train_ppo --advantage_estimator
-group_norm --n_samples_per_prompt 8``. With no ``--pretrain`` and no
+One command with two sets of defaults: ``train_ppo`` is PPO with a critic and GAE
+(OpenRLHF's ``train_ppo_ray``); ``train_grpo`` is ``train_ppo --advantage_estimator
+group_norm --n_samples_per_prompt 8 --init_kl_coef 0``, critic- and reference-free. With no ``--pretrain`` and no
 ``--prompt_data`` each runs a built-in demo from the SFT demo model (trained
 first and cached), which answers the addition task right but wordily:
 ``train_grpo`` learns the bare form from the exact-match reward alone;
@@ -16,7 +17,7 @@ paragraph above is both commands' ``--help`` description.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from openpack.config.schema import ConfigError, RunConfig, arg
@@ -63,8 +64,6 @@ class RLTrainConfig(TrainConfig):
                                 special={None: "every rollout batch of --num_episodes"})
     learning_rate: float = arg(1e-6, "peak learning rate of the policy (AdamW; OpenRLHF's --actor_learning_rate)",
                                above=0)
-    lr_warmup_ratio: float = arg(0.0, "share of optimizer steps spent warming up linearly", at_least=0, at_most=1)
-    lr_scheduler: str = arg("constant", "schedule after warmup", choices=["cosine", "linear", "constant"])
     max_tokens_per_gpu: int | None = arg(None, "token cap of a packed row under --use_dynamic_batch", at_least=2,
                                          special={None: "from the model's size and the device's memory, logged at "
                                                         "start (docs/rl.md, Row cap)"})
@@ -84,12 +83,12 @@ class RolloutConfig:
     vllm_num_engines: int = arg(1, "vLLM engines (Ray actors under --launcher ray; in rank 0's process otherwise)",
                                 at_least=1)
     vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine", at_least=1)
-    vllm_gpu_memory_utilization: float = arg(0.9, "share of a GPU's memory vLLM may take (weights + KV cache)",
+    vllm_gpu_memory_utilization: float = arg(0.95, "share of a GPU's memory vLLM may take (weights + KV cache)",
                                              above=0, at_most=1)
     vllm_sync_backend: str = arg("inhost", "how weights reach the engines: inhost (tensors through Ray or the "
                                  "process: works everywhere, the CPU path) or nccl (broadcast from rank 0 into the "
                                  "engines' GPUs: multi-node GPUs; not run on hardware yet)", choices=["inhost", "nccl"])
-    rollout_batch_size: int = arg(128, "prompts per rollout batch", at_least=1)
+    rollout_batch_size: int = arg(1024, "prompts per rollout batch", at_least=1)
     n_samples_per_prompt: int = arg(1, "completions sampled per prompt", at_least=1)
     micro_rollout_batch_size: int = arg(32, "prompts per generate call with --rollout_backend hf", at_least=1)
     generate_max_len: int = arg(1024, "most tokens a completion may have", at_least=1)
@@ -123,12 +122,12 @@ class RolloutConfig:
 
 @dataclass
 class RLConfig:
-    advantage_estimator: str = arg("reinforce", "how rewards become advantages (docs/rl.md): group_norm (GRPO), "
+    advantage_estimator: str = arg("gae", "how rewards become advantages (docs/rl.md): group_norm (GRPO), "
                                    "dr_grpo, rloo, reinforce (REINFORCE++), reinforce_baseline, gae (PPO with a critic)",
                                    choices=[*ADVANTAGE_ESTIMATORS, "gae"])
-    init_kl_coef: float = arg(0.0, "KL(policy || reference) coefficient: in the reward per token, or with "
-                              "--use_kl_loss a loss term; 0 loads no reference model (TRL's default; "
-                              "OpenRLHF's is 0.01)", at_least=0)
+    init_kl_coef: float = arg(0.01, "KL(policy || reference) coefficient: in the reward per token, or with "
+                              "--use_kl_loss a loss term (OpenRLHF's default); 0: no KL term, and no reference "
+                              "model is loaded", at_least=0)
     kl_estimator: str = arg("k1", "per-token KL estimate (k1: d, k2: d^2/2, k3: e^-d - 1 + d)",
                             choices=list(KL_ESTIMATORS))
     use_kl_loss: bool = arg(False, "the KL is a loss term (GRPO) instead of a reward penalty")
@@ -185,8 +184,9 @@ class RLConfig:
                                             "prompt + completion; their saved normalisation applies")
     reward_weights: list[float] | None = arg(None, "weights of a sum over --reward_pretrain models",
                                              special={None: "1 each"})
-    reward_clip_range: list[float] | None = arg(None, "two values: rewards are clipped to [low, high], e.g. -10 10",
-                                                special={None: "no clipping"})
+    reward_clip_range: list[float] | None = arg([-10.0, 10.0], "two values: rewards (an episode's, or each turn's "
+                                                "with --per_turn_reward) are clipped to [low, high] (OpenRLHF's "
+                                                "default)", special={None: "no clipping"})
     overlong_buffer_len: int | None = arg(None, "DAPO's overlong penalty: completions longer than "
                                           "--generate_max_len minus this lose up to --overlong_penalty_factor",
                                           at_least=1, special={None: "off"})
@@ -311,11 +311,12 @@ class EvalConfig:
                                        special={None: "no held-out evaluation"})
     eval_steps: int | None = arg(None, "evaluate every N rollout batches too", at_least=1,
                                  special={None: "before and after training only"})
-    eval_n_samples_per_prompt: int | None = arg(None, "completions (episodes) sampled per held-out prompt: pass@k "
-                                                "is logged for k = 1, 2, 4, ... and this n", at_least=1,
+    eval_n_samples_per_prompt: int | None = arg(4, "completions (episodes) sampled per held-out prompt: pass@k "
+                                                "is logged for k = 1, 2, 4, ... and this n (OpenRLHF's default)",
+                                                at_least=1,
                                                 special={None: "1"})
-    eval_temperature: float | None = arg(None, "sampling temperature of the evaluation (0: greedy, one sample a "
-                                         "prompt)", at_least=0,
+    eval_temperature: float | None = arg(0.6, "sampling temperature of the evaluation (0: greedy, one sample a "
+                                         "prompt; OpenRLHF's default)", at_least=0,
                                          special={None: "0 (greedy) with one sample a prompt, else --temperature"})
     eval_pass_threshold: float | None = arg(None, "a sample passes (is correct for pass@k) when its reward from a "
                                             "source is above this",
@@ -337,10 +338,12 @@ class EvalConfig:
         return 0.0 if self.samples == 1 else training
 
     def given(self) -> list[str]:
-        """The flags that shape an evaluation, as typed: refused without --eval_prompt_data (``rl_checks``; the
-        agent demo brings its own held-out prompts)."""
+        """The flags that shape an evaluation set away from their defaults: refused without --eval_prompt_data
+        (``rl_checks``; the agent demo brings its own held-out prompts)."""
+        defaults = {f.name: f.default for f in fields(self)}
         return [f"--{name}" for name in ("eval_steps", "eval_n_samples_per_prompt", "eval_temperature",
-                                          "eval_pass_threshold", "best_metric_key") if getattr(self, name) is not None]
+                                          "eval_pass_threshold", "best_metric_key")
+                if getattr(self, name) != defaults[name]]
 
     def validate(self):
         if self.eval_temperature == 0 and self.samples > 1:
@@ -358,6 +361,9 @@ class GRPORolloutConfig(RolloutConfig):
 class GRPOConfig(RLConfig):
     advantage_estimator: str = arg("group_norm", RLConfig.__dataclass_fields__["advantage_estimator"].metadata["help"],
                                    choices=[*ADVANTAGE_ESTIMATORS, "gae"])
+    init_kl_coef: float = arg(0.0, "KL(policy || reference) coefficient: in the reward per token, or with "
+                              "--use_kl_loss a loss term; 0 loads no reference model (TRL's GRPO default; "
+                              "train_ppo's is OpenRLHF's 0.01)", at_least=0)
 
 
 @dataclass

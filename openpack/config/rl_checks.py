@@ -223,9 +223,9 @@ def check_agent(cfg: PPORunConfig) -> None:
         raise ConfigError(f"--per_turn_reward discounts each turn's reward from its own token, which "
                           f"--advantage_estimator {rl_cfg.advantage_estimator} (one scalar per episode) cannot use: "
                           "use reinforce or gae, or drop --per_turn_reward")
-    if agent_cfg.per_turn_reward and (rl_cfg.overlong_buffer_len or rl_cfg.reward_clip_range):
-        raise ConfigError("--per_turn_reward credits the turns' own rewards: drop --overlong_buffer_len and "
-                          "--reward_clip_range, which shape an episode's one reward")
+    if agent_cfg.per_turn_reward and rl_cfg.overlong_buffer_len:
+        raise ConfigError("--per_turn_reward credits the turns' own rewards: drop --overlong_buffer_len, which "
+                          "shapes an episode's one reward")
     if rl_cfg.overlong_buffer_len:
         raise ConfigError(f"{flag}: --overlong_buffer_len penalises long single completions; bound episodes with "
                           "--max_episode_tokens and --max_turns instead")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from openpack.core.advantages import (distill_advantages, gae, kl, sequence_advantages, token_returns,
+from openpack.core.advantages import (clip_rewards, distill_advantages, gae, kl, sequence_advantages, token_returns,
                                       token_rewards, whiten, whitens)
 from openpack.core.batch import PackedBatch, host_to_device
 from openpack.core.schedule import plan_scoring
@@ -165,6 +165,7 @@ def task_advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, 
     outcome = torch.tensor(rollouts.rewards)
     if settings.per_turn_reward:  # episodes: each turn's reward on its last sampled token, none as the outcome
         credit = torch.tensor([x for turns in rollouts.turn_credit for x in turns], dtype=torch.float64)
+        credit = clip_rewards(credit, settings.reward_clip_range)  # each turn's reward, as an episode's is clipped
         penalty = credit if penalty is None else penalty.double() + credit
         outcome = torch.zeros_like(outcome)
     if settings.critic:

@@ -319,16 +319,25 @@ def frozen_scorer(model_cfg, path: str, flag: str, offload: bool, dist=None):
     return reference.ModelReference(engine, dist.device) if in_actor else engine
 
 
+def critic_start(rl_cfg, pretrain: str) -> tuple[str, str]:
+    """Where the critic starts, and the flag that names it: --critic_pretrain, else the first --reward_pretrain, else
+    the policy's own weights (``pretrain``) with a new value head, as OpenRLHF's train_ppo_ray picks it."""
+    if rl_cfg.critic_pretrain:
+        return rl_cfg.critic_pretrain, "--critic_pretrain"
+    if rl_cfg.reward_pretrain:
+        return rl_cfg.reward_pretrain[0], "--reward_pretrain"
+    return pretrain, "--pretrain"
+
+
 def critic_engine(cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):
-    """The critic's DeepSpeed engine: --critic_pretrain (default: the first --reward_pretrain, else --pretrain) as a
-    value model, trained at --critic_learning_rate on the policy's schedule."""
+    """The critic's DeepSpeed engine: ``critic_start``'s model as a value model, trained at --critic_learning_rate on
+    the policy's schedule."""
     from openpack.distributed.engine import create_engine
     from openpack.models.reward import HEAD, PackedValueModel, load_reward_model
     from openpack.trainers.run import optim_config, zero_config
 
     model_cfg, train_cfg, rl_cfg = cfg.model, cfg.train, cfg.rl
-    path, flag = ((rl_cfg.critic_pretrain, "--critic_pretrain") if rl_cfg.critic_pretrain else
-                  (rl_cfg.reward_pretrain[0], "--reward_pretrain") if rl_cfg.reward_pretrain else (pretrain, "--pretrain"))
+    path, flag = critic_start(rl_cfg, pretrain)
     model = load_reward_model(path, model_cfg.bf16, model_cfg.gradient_checkpointing,
                               pad_token_id=tokenizer.pad_token_id, flag=flag,
                               load_in_4bit=model_cfg.load_in_4bit).to(dist.device)
