@@ -1,10 +1,11 @@
 """``openpack train_ppo`` and ``openpack train_grpo``: online RL on packed experience, rollouts from vLLM or HF.
 
-One command with two sets of defaults: ``train_ppo`` is PPO with a critic and GAE
-(OpenRLHF's ``train_ppo_ray``); ``train_grpo`` is ``train_ppo --advantage_estimator
-group_norm --n_samples_per_prompt 8 --init_kl_coef 0``, critic- and reference-free. With no ``--pretrain`` and no
-``--prompt_data`` each runs a built-in demo from the SFT demo model (trained
-first and cached), which answers the addition task right but wordily:
+One command with two sets of defaults: ``train_ppo`` is PPO with a critic and
+GAE, as OpenRLHF 0.11's ``train_ppo_ray``; ``train_grpo`` is ``train_ppo
+--advantage_estimator group_norm --n_samples_per_prompt 8 --init_kl_coef 0``,
+critic- and reference-free. With no ``--pretrain`` and no ``--prompt_data``
+each runs a built-in demo from the SFT demo model (trained first and cached),
+which answers the addition task right but wordily:
 ``train_grpo`` learns the bare form from the exact-match reward alone;
 ``train_ppo`` learns it from the reward-model demo's model (trained first and
 cached), with a critic and GAE. Held-out exact match is reported before and
