@@ -18,7 +18,8 @@ SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, inte
 RUN = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16", "--generate_max_len",
        "8", "--prompt_max_len", "32", "--learning_rate", "1e-2", "--seed", "1", "--rollout_backend", "hf",
        "--launcher", "local", "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "256",
-       "--logging_steps", "1"]
+       "--logging_steps", "1", "--lr_scheduler", "constant", "--lr_warmup_ratio", "0"]  # as measured (RL's
+# default schedule is OpenRLHF's cosine with warm-up since issue 41)
 
 
 @pytest.fixture(scope="module")
