@@ -205,6 +205,8 @@ def episode_rollouts(episodes: list[Episode], n: int, version: int) -> tuple[Rol
             rollouts.behaviour.append([b for b, t in zip(e.behaviour, e.targets) if t])
             rollouts.finished.append(e.finished)
             rollouts.versions.append(version)
+            rollouts.token_versions.append([version if v is None else v for v, t in zip(e.sampled_by, e.targets)
+                                            if t])
             rollouts.env_rewards.append(e.reward)
             rollouts.turn_credit.append([r for r, t in zip(e.token_rewards(), e.targets) if t])
     return rollouts, dropped
