@@ -148,6 +148,15 @@ class Units:
         return [k for u in ids for k in self.members[u]]
 
 
+def sampling_versions(labels: list[int | None] | None, length: int, asked: int) -> list[int]:
+    """The policy version that sampled each of ``length`` tokens, from an engine's labels (``Completion.versions``,
+    where a weight update landed while they were sampled: ``--partial_rollout``); a token without one was sampled
+    by the weights the batch was asked with, policy version ``asked`` (in order: ``InOrder``, Ray's call order)."""
+    if labels is None:
+        return [asked] * length
+    return [asked if v is None else v for v in labels]
+
+
 def shared_rollouts(local: Rollouts | None, dist: DistInfo, generated_on_all_ranks: bool) -> Rollouts:
     """The whole rollout batch on every rank: every rank's share gathered in prompt order (HF), or rank 0's
     (vLLM engines) broadcast."""

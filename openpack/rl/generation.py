@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from openpack.data.prompts import Prompt
-from openpack.rl.episodes import Rollouts, shared_rollouts
-from openpack.rollout.interface import IN_FLIGHT_CALLS, Completion, SamplingConfig
+from openpack.rl.episodes import Rollouts, sampling_versions, shared_rollouts
+from openpack.rollout.interface import IN_FLIGHT_CALLS, SamplingConfig
 
 if TYPE_CHECKING:
     from openpack.rollout.engine_group import EngineGroup
@@ -81,7 +81,7 @@ class Generator:
                     local.behaviour.append(list(c.logprobs))
                     local.finished.append(bool(c.finished))
                     local.versions.append(pending.version)
-                    local.token_versions.append(sampled_by(c, pending.version))
+                    local.token_versions.append(sampling_versions(c.versions, len(c.tokens), pending.version))
         return shared_rollouts(local, dist, self.backend == "hf")
 
     def rollouts(self, prompts: list[Prompt], step: int, dist, version: int = 0) -> Rollouts:
@@ -95,15 +95,6 @@ class Generator:
     def with_sampling(self, sampling: SamplingConfig) -> Generator:
         """This generator's engines, sampling otherwise (the held-out evaluation's n and temperature)."""
         return replace(self, sampling=sampling)
-
-
-def sampled_by(completion: Completion, version: int) -> list[int]:
-    """The policy version that sampled each token of ``completion``, asked for at ``version``: the engine's labels
-    where a weight update landed while it was sampled (``--partial_rollout``), else ``version`` (the weights it
-    was asked with, which sample every token in order: ``InOrder``, Ray's call order)."""
-    if completion.versions is None:
-        return [version] * len(completion.tokens)
-    return [version if v is None else v for v in completion.versions]
 
 
 def _share(count: int, rank: int, world: int) -> tuple[int, int]:

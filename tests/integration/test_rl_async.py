@@ -142,8 +142,9 @@ def test_partial_rollouts_train_and_count_the_tokens_older_versions_sampled(task
     assert (run / "model" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("flags,fix", [([], "drop --async_train, or use --rollout_backend vllm"),
-                                       (["--partial_rollout"], "drop --partial_rollout, or use --rollout_backend vllm")])
+@pytest.mark.parametrize("flags,fix", [
+    ([], "drop --async_train, or use --rollout_backend vllm"),
+    (["--partial_rollout"], "drop --partial_rollout, or use --rollout_backend vllm")])
 def test_async_with_hf_rollouts_is_refused(rl_task, tmp_path, capsys, flags, fix):  # noqa: F811
     argv = [*rl_task["args"], "--reward_fn", f"{rl_task['rewards']}:vowels", *RL, "--save_path", str(tmp_path),
             "--launcher", "local", "--rollout_backend", "hf", "--async_train", *flags]

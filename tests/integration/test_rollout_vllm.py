@@ -22,7 +22,7 @@ from openpack.rollout.interface import SamplingConfig
 from openpack.rollout.vllm_engine import VLLMEngine
 from openpack.rollout.weight_sync import (InHostSync, WeightNamesError, check_weight_names, policy_weight_names, policy_weights)
 from openpack.rollout.buckets import layer_buckets
-from openpack.rl.generation import sampled_by
+from openpack.rl.episodes import sampling_versions
 
 TOLERANCE = 1e-4
 SEQUENCES = [p + [(7 * i + 3 * t) % 40 + 4 for t in range(10)] for i, p in enumerate(PROMPTS)]
@@ -127,7 +127,7 @@ def test_a_completion_spanning_a_weight_sync_carries_two_versions_with_their_log
     by_version[0] = trainer_logprobs(model, sequences)
     InHostSync(EngineGroup([engine], remote=False)).push(policy_weights(wrapped, 0), is_main=True)
     for k, (_, c) in enumerate(samples):
-        versions = sampled_by(c, version=0)
+        versions = sampling_versions(c.versions, len(c.tokens), asked=0)
         own = [by_version[v][k][t - len(c.tokens)] for t, v in enumerate(versions)]
         other = [by_version[1 - v][k][t - len(c.tokens)] for t, v in enumerate(versions)]
         assert max(abs(a - b) for a, b in zip(c.logprobs, own)) <= TOLERANCE, k

@@ -107,4 +107,4 @@ def test_an_episode_keeps_each_sampled_tokens_version_and_none_for_observations(
     rollouts, dropped = episode_rollouts([episode], n=1, version=4)
     assert dropped == 0
     assert rollouts.token_versions == [[4, 5, 6]] and rollouts.behaviour == [[-0.5, -0.25, -1.0]]
-    assert episode.sampled_by == [None, 5, None, None, None, 6]
+    assert episode.versions == [None, 5, None, None, None, 6]

@@ -26,7 +26,7 @@ class Episode:
     tokens: list[int] = field(default_factory=list)
     targets: list[bool] = field(default_factory=list)
     behaviour: list[float] = field(default_factory=list)
-    sampled_by: list[int | None] = field(default_factory=list)  # each token's sampling version where the engine
+    versions: list[int | None] = field(default_factory=list)  # each token's sampling version where the engine
     # labelled it (--partial_rollout), else None (an observation, or the weights the batch was asked with)
     turn_ends: list[int] = field(default_factory=list)  # index in ``tokens`` of each turn's last sampled token
     turn_rewards: list[float] = field(default_factory=list)
@@ -65,7 +65,7 @@ class Episode:
         self.tokens += ids
         self.targets += [True] * len(ids)
         self.behaviour += list(logprobs)
-        self.sampled_by += list(versions) if versions is not None else [None] * len(ids)
+        self.versions += list(versions) if versions is not None else [None] * len(ids)
         self.turn_ends.append(len(self.tokens) - 1)
         self.turn_rewards.append(0.0)
 
@@ -80,7 +80,7 @@ class Episode:
         self.tokens += ids
         self.targets += [False] * len(ids)
         self.behaviour += [0.0] * len(ids)
-        self.sampled_by += [None] * len(ids)
+        self.versions += [None] * len(ids)
 
     def token_rewards(self) -> list[float]:
         """[len(tokens)] each turn's reward on its last sampled token, 0 elsewhere (per-turn credit)."""
