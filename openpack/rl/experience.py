@@ -115,7 +115,8 @@ def make_experience(rollouts: Rollouts, scorers: Scorers, settings: RLSettings, 
     return Experience(rollouts=rollouts, units=units,
                       batcher=MicroBatcher(units.segments, settings.packing_samples, pad_token_id),
                       lengths=rollouts.response_lengths(), behaviour=[torch.tensor(b) for b in rollouts.behaviour],
-                      versions=[torch.tensor(rollouts.sampled_by(k), dtype=torch.int64) for k in range(rollouts.size)],
+                      versions=[torch.tensor(rollouts.sampled_by(k), dtype=torch.int64) for k in range(rollouts.size)]
+                      if rollouts.versions else None,
                       advantages=per_token, old=old, ref=ref, teacher=teacher, values=values, returns=returns)
 
 
