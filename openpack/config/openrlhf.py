@@ -557,7 +557,7 @@ def rl() -> list[Twin]:
         same("--train.async_enable", "--async_train", "0"),
         custom("--train.async_queue_size", "1", ("--max_staleness",), "`--max_staleness` (rollout batches ahead), "
                "with `--train.async_enable`", async_queue_size),
-        missing("--train.partial_rollout_enable", "0", "partial rollouts (a generation spanning a weight update)"),
+        same("--train.partial_rollout_enable", "--partial_rollout", "0"),
         *rl_evaluation(),
         same("--actor.gradient_checkpointing_enable", "--gradient_checkpointing", "0"),
         missing("--actor.gradient_checkpointing_reentrant", "0", "reentrant activation checkpointing (openpack's is "

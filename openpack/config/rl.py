@@ -102,6 +102,9 @@ class RolloutConfig:
     max_staleness: int | None = arg(None, "with --async_train: rollout batches generated ahead of training, so the "
                                     "most policy versions between sampling a rollout and training on it (0: the "
                                     "synchronous loop)", at_least=0, special={None: "1 with --async_train"})
+    partial_rollout: bool = arg(False, "with --async_train: a weight update lands while vLLM generates, and the "
+                                "completions under way continue with the new weights (each token keeps the "
+                                "version that sampled it; docs/rl.md, Partial rollouts)")
     colocate_all_models: bool = arg(False, "policy, reference, reward models and vLLM share the training ranks' "
                                     "devices, taking turns: vLLM sleeps while DeepSpeed trains, DeepSpeed's states "
                                     "are offloaded while vLLM generates (docs/rl.md, Placement)")
@@ -119,6 +122,12 @@ class RolloutConfig:
             raise ConfigError(f"--max_staleness {self.max_staleness} bounds how far generation runs ahead of "
                               "training under --async_train, and this run is synchronous: add --async_train, or "
                               "drop --max_staleness")
+        if self.partial_rollout and not self.async_train:
+            raise ConfigError("--partial_rollout lets a weight update land in generation that runs beside training, "
+                              "and this run is synchronous: add --async_train, or drop --partial_rollout")
+        if self.partial_rollout and self.max_staleness == 0:
+            raise ConfigError("--partial_rollout with --max_staleness 0: no generation is under way when weights "
+                              "land, so nothing is partial; raise --max_staleness, or drop --partial_rollout")
 
 
 @dataclass

@@ -188,6 +188,10 @@ def check_rollout_backend(cfg: PPORunConfig) -> None:
     if correction and rollout_cfg.rollout_backend == "hf":
         raise ConfigError(f"{correction} corrects vLLM's sampling mismatch; with --rollout_backend hf the policy "
                           "samples itself: drop it")
+    if rollout_cfg.partial_rollout and backend == "hf":
+        raise ConfigError(f"--partial_rollout lands weights inside vLLM's generation; with --rollout_backend "
+                          f"{rollout_cfg.rollout_backend} (HF) the policy generates itself, never during an update: "
+                          "drop --partial_rollout, or use --rollout_backend vllm")
     if rollout_cfg.async_train and backend == "hf":
         raise ConfigError(f"--async_train overlaps vLLM's generation with training; with --rollout_backend "
                           f"{rollout_cfg.rollout_backend} (HF) the policy generates itself and nothing overlaps: "

@@ -30,7 +30,8 @@ def engine_group(cfg, demo_model) -> EngineGroupSpec | None:
         return None
     options = {"seed": cfg.train.seed, **vllm_options(rollout_cfg, model_cfg.bf16, cfg.output.save_path)}
     return EngineGroupSpec(model_cfg.pretrain or str(demo_model), rollout_cfg.vllm_num_engines,
-                           rollout_cfg.vllm_tensor_parallel_size, options, colocate=rollout_cfg.colocate_all_models)
+                           rollout_cfg.vllm_tensor_parallel_size, options, colocate=rollout_cfg.colocate_all_models,
+                           in_flight=rollout_cfg.partial_rollout)
 
 
 def reward_groups(cfg) -> list[ScorerGroupSpec] | None:

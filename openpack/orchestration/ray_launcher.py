@@ -80,6 +80,7 @@ class EngineGroupSpec:
     tensor_parallel_size: int
     options: dict
     colocate: bool = False  # --colocate_all_models: engine i shares rank i's bundle (ENGINE_SHARE of it)
+    in_flight: bool = False  # --partial_rollout: weights land while the engines generate (``EngineGroup``)
 
 
 @dataclass
@@ -473,11 +474,12 @@ class _Session:
             stop_watchdog(self.watchdog)
 
     def start_group(self, cls, name: str, world: int, cpus: int, stop: StopSignals, init_args: tuple = (),
-                    gpus_per_actor: int = 1, init_kwargs: dict | None = None):
+                    gpus_per_actor: int = 1, init_kwargs: dict | None = None, class_options: dict | None = None):
         """``world`` actors of ``cls(*init_args, **init_kwargs)``, one per bundle of a new placement group; prints where
-        each runs (waiting for every constructor)."""
+        each runs (waiting for every constructor). ``class_options``: ``ray.remote``'s for the class (concurrency
+        groups)."""
         group = self.reserve(name, world, cpus, gpus_per_actor)
-        return self.place(cls, name, group, world, stop, init_args, init_kwargs)
+        return self.place(cls, name, group, world, stop, init_args, init_kwargs, class_options=class_options)
 
     def reserve(self, name: str, world: int, cpus: int, gpus_per_actor: int = 1):
         """A placement group of ``world`` bundles of ``cpus`` CPUs and, where the cluster has enough, GPUs."""
@@ -492,14 +494,14 @@ class _Session:
         return group
 
     def place(self, cls, name: str, group, count: int, stop: StopSignals, init_args: tuple = (),
-              init_kwargs: dict | None = None, share: float = 1.0):
+              init_kwargs: dict | None = None, share: float = 1.0, class_options: dict | None = None):
         """``count`` actors on bundles 0.. of ``group``, each claiming ``share`` of its bundle's CPUs and GPUs
         (less than 1 where two actors share a bundle: ``--colocate_all_models``)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         _get([group.ready()], stop)
-        remote = ray.remote(cls)
+        remote = ray.remote(**class_options)(cls) if class_options else ray.remote(cls)
         for index in range(count):
             bundle = group.bundle_specs[index]
             self.actors.append(remote.options(
@@ -517,7 +519,7 @@ class _Session:
 def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals, ranks=None):
     """The engine actors, ready (model loaded), as the ``EngineGroup`` every rank is handed. ``ranks``: the ranks'
     placement group, for colocated engines (engine i on rank i's bundle, asleep until the first generation)."""
-    from openpack.rollout.engine_group import EngineGroup
+    from openpack.rollout.engine_group import EngineGroup, engine_actor_options
     from openpack.rollout.interface import EngineStartError, last_error_line
     from openpack.rollout.vllm_engine import VLLMEngine
 
@@ -530,8 +532,9 @@ def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals, 
     try:
         if ranks is None:
             actors, _ = session.start_group(_Engine, "vllm engine", spec.num_engines, 1, stop, (spec.model_path,),
-                                            spec.tensor_parallel_size, init_kwargs)
-            return EngineGroup(actors, remote=True)
+                                            spec.tensor_parallel_size, init_kwargs,
+                                            class_options=engine_actor_options(spec.in_flight))
+            return EngineGroup(actors, remote=True, in_flight=spec.in_flight)
         actors, _ = session.place(_Engine, "vllm engine", ranks, spec.num_engines, stop, (spec.model_path,),
                                   init_kwargs, share=ENGINE_SHARE)
     except ray.exceptions.RayActorError as error:  # the constructor raised: its traceback is in the error's text

@@ -29,6 +29,9 @@ class Rollouts:
     finished: list[bool]
     rewards: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the policy version (weight syncs so far) that sampled each
+    # sample's first token (its oldest: a partial rollout's later tokens may be newer)
+    token_versions: list[list[int]] = field(default_factory=list)  # [B][trained tokens] the version that sampled
+    # each, like ``behaviour`` (empty: every token of sample k by versions[k])
     # multi-turn episodes only (empty otherwise):
     targets: list[list[bool]] = field(default_factory=list)  # [B][len(completion)] True: sampled, trained
     env_rewards: list[float] = field(default_factory=list)  # the environment's reward of each episode (its turns')
@@ -55,6 +58,10 @@ class Rollouts:
         if self.targets:
             return [sum(mask) for mask in self.targets]
         return [len(c) for c in self.completion_tokens]
+
+    def sampled_by(self, k: int) -> list[int]:
+        """The policy version that sampled each trained token of sample ``k`` (``--partial_rollout``: several)."""
+        return self.token_versions[k] if self.token_versions else [self.versions[k]] * len(self.behaviour[k])
 
     def select(self, indices) -> "Rollouts":
         """The samples at ``indices``, in that order (rewards too, once set)."""
@@ -139,6 +146,15 @@ class Units:
     def completions(self, ids) -> list[int]:
         """The completions of units ``ids``, in the order their tokens sit in a batch of those units."""
         return [k for u in ids for k in self.members[u]]
+
+
+def sampling_versions(labels: list[int | None] | None, length: int, asked: int) -> list[int]:
+    """The policy version that sampled each of ``length`` tokens, from an engine's labels (``Completion.versions``,
+    where a weight update landed while they were sampled: ``--partial_rollout``); a token without one was sampled
+    by the weights the batch was asked with, policy version ``asked`` (in order: ``InOrder``, Ray's call order)."""
+    if labels is None:
+        return [asked] * length
+    return [asked if v is None else v for v in labels]
 
 
 def shared_rollouts(local: Rollouts | None, dist: DistInfo, generated_on_all_ranks: bool) -> Rollouts:

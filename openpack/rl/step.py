@@ -101,7 +101,7 @@ def rl_step(loop: RLLoop, batch: RolloutBatch) -> dict:
         with phases.time("training"):
             update(loop, batch, experience, phases)
         with phases.time("weight_sync"):
-            push_weights(loop, phases)
+            push_weights(loop, phases, version=batch.index + 1)
     return phases.metrics(lr=loop.run.engine.get_lr()[0])
 
 
@@ -164,16 +164,18 @@ def update(loop: RLLoop, batch: RolloutBatch, experience: Experience, phases: Ph
     first --freezing_actor_steps batches."""
     metrics, tokens = train_on(experience, loop.run.engine, loop.critic, loop.settings, loop.dist,
                                loop.settings.seed + batch.index,
-                               train_actor=batch.index >= loop.settings.freezing_actor_steps)
+                               train_actor=batch.index >= loop.settings.freezing_actor_steps, version=batch.index)
     phases.add(metrics)
     phases.per_second("training", tokens_per_s=tokens, training_tokens_per_s=tokens)
 
 
-def push_weights(loop: RLLoop, phases: Phases) -> None:
-    """The policy's weights to the engines (version += 1); colocated, they were pushed at the engines' wake
-    instead, before this batch's generation. HF rollouts sample from the policy itself: nothing to push."""
+def push_weights(loop: RLLoop, phases: Phases, version: int) -> None:
+    """The policy's weights to the engines, which then hold policy ``version``; colocated, they were pushed at the
+    engines' wake instead, before this batch's generation. HF rollouts sample from the policy itself: nothing to
+    push. With --partial_rollout they land in the generations under way (``RolloutPipeline.landing``)."""
     if loop.sync is not None and loop.colocation is None:
-        send_weights(loop.sync, loop.run.engine, loop.dist)
+        with loop.pipeline.landing(version, loop.dist):
+            send_weights(loop.sync, loop.run.engine, loop.dist)
     phases.add({**(loop.sync.metrics() if loop.sync is not None else {}),
                 **(loop.colocation.metrics() if loop.colocation is not None else {})})
 

@@ -175,11 +175,13 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
         rewards = SourceRewards(reward_source(rl_cfg, data_cfg, demo_model is not None,
                                               reward_scorers(cfg, dist, reward_groups)),
                                 tokenizer, settings.n_samples_per_prompt)
-    pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train)
+    pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train,
+                               rollout_cfg.partial_rollout)
     colocation = Colocation(generator.engines, [run.engine, critic], functools.partial(
         send_weights, sync, run.engine, dist), dist.is_main) if rollout_cfg.colocate_all_models else None
     if sync is not None and colocation is None and run.position.global_step:  # resumed: the engines still hold
-        send_weights(sync, run.engine, dist)  # the starting weights (colocated: pushed at each wake)
+        with pipeline.landing(run.position.global_step, dist):  # the starting weights (colocated: pushed at
+            send_weights(sync, run.engine, dist)  # each wake)
     loop = RLLoop(run=run, pipeline=pipeline, rewards=rewards, scorers=scorers, settings=settings, prompts=prompts,
                   dist=dist, pad_token_id=tokenizer.pad_token_id or 0, sync=sync, critic=critic, kl_ctl=kl_ctl,
                   colocation=colocation, empty_steps=empty)

@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2  # weights per update call: whole layers up to this size (buckets.py)
+# the calls that land weights while a generation is under way (--partial_rollout): they run beside it, not after it
+IN_FLIGHT_CALLS = ("pause_generation", "update_weights", "receive_weights", "resume_generation")
 
 
 @dataclass
@@ -51,11 +53,15 @@ class Completion:
     ``tokens``: the sampled tokens, the stop/eos token included if it was sampled.
     ``logprobs``: log p(tokens[t] | prompt, tokens[:t]) under the raw model (temperature 1), same length.
     ``finished``: True when it ended on a stop token; False when cut at ``max_tokens``.
+    ``versions``: the policy version whose weights sampled each token, where the engine's weights were labelled
+    (``Engine.resume_generation``, ``--partial_rollout``); None for a token sampled before any label (the weights
+    the request started with). The list itself is None where no token was sampled by labelled weights.
     """
 
     tokens: list[int]
     logprobs: list[float]
     finished: bool
+    versions: list[int | None] | None = None
 
 
 class Engine(Protocol):
@@ -69,6 +75,13 @@ class Engine(Protocol):
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load whole layers' HF-named tensors in place (one bucket of ``buckets.layer_buckets``)."""
+
+    def pause_generation(self) -> None:
+        """Stop sampling at the end of the step under way, keeping the requests under way, so that weights can land
+        (``--partial_rollout``); ``update_weights`` calls may then come."""
+
+    def resume_generation(self, version: int) -> None:
+        """Label the weights now held policy ``version`` and sample on: the requests kept continue under them."""
 
     def sleep(self) -> None:
         """Free weights and KV cache for a colocated trainer (``rl/colocation.py``)."""
