@@ -88,8 +88,7 @@ def check_rl(cfg: PPORunConfig) -> None:
         raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
     if cfg.agent.enabled:
         check_agent(cfg)
-    else:
-        check_reward_file(rl_cfg.remote_rm_url)
+    check_reward_files(rl_cfg)
     check_distillation(cfg)
     check_evaluation(cfg)
 
@@ -163,17 +162,20 @@ def check_evaluation(cfg: PPORunConfig) -> None:
                               f"logs; choose one of: {', '.join(names)}")
 
 
-def check_reward_file(url: str | None) -> None:
-    """``--remote_rm_url file.py`` (OpenRLHF's reward_func file) is imported and its function checked here, so a
-    missing file, an import error or a wrong signature is one line before Ray, DeepSpeed or an engine starts (it
-    was a failed HTTP request at the first rollout batch)."""
-    from openpack.rl.rewards import RewardError, is_reward_file, load_openrlhf_reward
+def check_reward_files(rl_cfg) -> None:
+    """``--reward_fn path.py:function`` and ``--remote_rm_url file.py`` (OpenRLHF's reward_func file) are imported
+    and their functions checked here, so a missing file, an import error, a missing function or a wrong signature
+    is one line naming the flag, the file and the fix before Ray, DeepSpeed or an engine starts (it was an error
+    relayed from a rank at the first rollout batch)."""
+    from openpack.rl.rewards import RewardError, is_reward_file, load_openrlhf_reward, load_reward_fn
 
-    if is_reward_file(url):
-        try:
-            load_openrlhf_reward(url)
-        except RewardError as err:
-            raise ConfigError(str(err)) from err
+    try:
+        if rl_cfg.reward_fn:
+            load_reward_fn(rl_cfg.reward_fn, ("rm_scores",) if rl_cfg.reward_pretrain else ())
+        if is_reward_file(rl_cfg.remote_rm_url):
+            load_openrlhf_reward(rl_cfg.remote_rm_url)
+    except RewardError as err:
+        raise ConfigError(str(err)) from err
 
 
 def check_rollout_backend(cfg: PPORunConfig) -> None:
@@ -234,10 +236,11 @@ def check_agent(cfg: PPORunConfig) -> None:
         raise ConfigError(f"{flag}: --overlong_buffer_len penalises long single completions; bound episodes with "
                           "--max_episode_tokens and --max_turns instead")
     from openpack.rl.agents.environment import EnvFileError
+    from openpack.rl.rewards import RewardError
 
     try:
         _, tools = agent_environment(agent_cfg, rl_cfg.reward_fn, data_cfg.label_key)
-    except EnvFileError as err:
+    except (EnvFileError, RewardError) as err:  # RewardError: --tools' --reward_fn scorer
         raise ConfigError(str(err)) from err
     if tools and cfg.model.pretrain:
         check_shows_tools(cfg.model.pretrain, tools)

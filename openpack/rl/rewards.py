@@ -77,24 +77,39 @@ def source_names(rl_cfg) -> list[str]:
     return [REWARD]
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """``path.py:function`` -> the function; a bad file, name or object is a RewardError naming --reward_fn."""
+def load_reward_fn(spec: str, keywords: tuple[str, ...] = ()) -> RewardFn:
+    """``path.py:function`` -> the function, checked to take (prompts, completions, rows) and the ``keywords``
+    openpack passes it (``rm_scores`` where it combines reward models). A bad spec, file, name or signature is a
+    RewardError naming --reward_fn, the file and the fix; the driver asks before the run starts
+    (``config.rl_checks.check_reward_files``)."""
+    flag = f"--reward_fn {spec}"
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise RewardError(f"--reward_fn {spec}: write it as path/to/file.py:function_name")
+        raise RewardError(f"{flag}: write it as path/to/file.py:function_name")
     file = Path(path).expanduser()
     if not file.is_file():
-        raise RewardError(f"--reward_fn {spec}: no file {file}")
+        raise RewardError(f"{flag}: no file {file}; give the path of the Python file that defines {name}")
     module_spec = importlib.util.spec_from_file_location(f"openpack_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
     except Exception as err:  # the user's file: any error is theirs to see, with where it came from
-        raise RewardError(f"--reward_fn {spec}: importing {file} failed: {type(err).__name__}: {err}") from err
+        raise RewardError(f"{flag}: importing {file} failed: {type(err).__name__}: {err}; fix the file (it is "
+                          "imported where the run starts)") from err
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise RewardError(f"--reward_fn {spec}: {file} has no function {name!r}")
-    fn.reward_name = f"--reward_fn {spec}"
+        defined = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
+        raise RewardError(f"{flag}: {file} has no function {name!r} (it defines {', '.join(defined) or 'none'}); "
+                          f"name one after the colon, or define {name}(prompts, completions, rows)")
+    call = f"{name}(prompts, completions, rows{''.join(f', {k}=...' for k in keywords)})"
+    try:
+        inspect.signature(fn).bind(["prompt"], ["completion"], [{}], **{k: [[0.0]] for k in keywords})
+    except TypeError as err:
+        raise RewardError(f"{flag}: {name}{inspect.signature(fn)} cannot be called as {call}, as openpack calls "
+                          f"it ({err}); give it those parameters") from err
+    except ValueError:  # a builtin or C function without a signature: called as it is
+        pass
+    fn.reward_name = flag
     return fn
 
 
@@ -370,7 +385,7 @@ def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
     --remote_rm_url (a server, or OpenRLHF's reward file), exact match on --label_key, or (demo) the task's exact
     match; checked."""
     if rl_cfg.reward_pretrain:
-        combine = load_reward_fn(rl_cfg.reward_fn) if rl_cfg.reward_fn else None
+        combine = load_reward_fn(rl_cfg.reward_fn, ("rm_scores",)) if rl_cfg.reward_fn else None
         return checked(reward_models(scorers, rl_cfg.reward_pretrain, rl_cfg.reward_weights, combine))
     timeout = rl_cfg.reward_timeout or None  # reward models are not cut off: their speed is the trainer's
     if rl_cfg.reward_fn:
