@@ -28,6 +28,9 @@ class Rollouts:
     behaviour: list[list[float]]  # the engine's log-prob of each completion token
     finished: list[bool]
     rewards: list[float] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # a reward file's own ``scores`` (OpenRLHF's), what
+    # --dynamic_filtering tests (empty: the rewards)
+    reward_logs: list[dict[str, float]] = field(default_factory=list)  # a reward file's ``extra_logs`` of each sample
     versions: list[int] = field(default_factory=list)  # the policy version (weight syncs so far) that sampled each
     # sample's first token (its oldest: a partial rollout's later tokens may be newer)
     token_versions: list[list[int]] = field(default_factory=list)  # [B][trained tokens] the version that sampled
@@ -166,9 +169,17 @@ def shared_rollouts(local: Rollouts | None, dist: DistInfo, generated_on_all_ran
 
 
 def rollout_metrics(rollouts: Rollouts) -> dict:
-    """Reward and response-length statistics of a rollout batch (TRL's and OpenRLHF's names)."""
+    """Reward and response-length statistics of a rollout batch (TRL's and OpenRLHF's names), and the means of
+    what a reward file reported beside its rewards: ``reward/score``, ``reward/extra/<name>`` (each over the samples
+    that reported it, as OpenRLHF logs its ``extra_logs``)."""
     rewards = torch.tensor(rollouts.rewards, dtype=torch.float64)
     lengths = torch.tensor(rollouts.response_lengths(), dtype=torch.float64)
-    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-            "response_length/truncated": 1.0 - sum(rollouts.finished) / len(rollouts.finished)}
+    metrics = {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+               "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+               "response_length/truncated": 1.0 - sum(rollouts.finished) / len(rollouts.finished)}
+    if rollouts.scores:
+        metrics["reward/score"] = sum(rollouts.scores) / len(rollouts.scores)
+    for name in sorted({name for logs in rollouts.reward_logs for name in logs}):
+        values = [logs[name] for logs in rollouts.reward_logs if name in logs]
+        metrics[f"reward/extra/{name}"] = sum(values) / len(values)
+    return metrics

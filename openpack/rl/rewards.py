@@ -19,8 +19,10 @@ a server.
   ``reward_func([query], [prompt], [label])``, the query being the prompt and the completion (its special tokens
   kept, as OpenRLHF decodes), the prompt as the model saw it (templates applied), the label the ``--label_key``
   column ("" without one); it returns ``{"rewards": ..., "scores": ..., "extra_logs": ...}`` or the rewards alone
-  (a tensor, a list or a number). The file is loaded and its signature checked before the run starts
-  (``load_openrlhf_reward``).
+  (a tensor, a list or a number). As in OpenRLHF, ``scores`` (else the rewards) is what ``--dynamic_filtering``
+  tests, and ``extra_logs`` (one number per query under each name) is logged: their means over the batch trained
+  on are ``reward/score`` and ``reward/extra/<name>`` in metrics.jsonl (``RewardAnswer``). The file is loaded and
+  its signature checked before the run starts (``load_openrlhf_reward``).
 * ``--reward_pretrain DIR [DIR ...]``: reward models saved by ``openpack train_rm`` score the token ids of
   prompt + completion, normalised as their config says; several are summed with ``--reward_weights`` or
   combined by ``--reward_fn`` (called with ``rm_scores=[[...] per model]``).
@@ -41,6 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -58,6 +61,16 @@ RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[dict]], Sequence[flo
 
 class RewardError(RuntimeError):
     """A reward source failed or answered nonsense; the message names the source, the batch and the fix."""
+
+
+@dataclass
+class RewardAnswer:
+    """A reward source's answer for a batch: one reward per completion and, from OpenRLHF's reward files, what
+    they report beside it."""
+
+    rewards: list[float]
+    scores: list[float] | None = None  # OpenRLHF's ``scores``: what --dynamic_filtering tests (None: the rewards)
+    extra_logs: list[dict[str, float]] = field(default_factory=list)  # per completion: its ``extra_logs``
 
 
 REWARD = "reward"  # the source name of the reward a run trains on, whatever gives it
@@ -161,18 +174,24 @@ def openrlhf_reward(path: str, label_key: str | None) -> RewardFn:
     (``query[len(prompt):]``); openpack's prompt ids may hold an added bos, hence the text, not the ids."""
     fn = load_openrlhf_reward(path)
 
-    def reward(prompts, completions, rows):
+    def reward(prompts, completions, rows) -> RewardAnswer:
         labels = [row.get(label_key, "") if label_key else "" for row in rows]
-        return [value for prompt, completion, label in zip(prompts, completions, labels)
-                for value in _openrlhf_rewards(fn([prompt + completion], [prompt], [label]), path)]
+        answers = [_openrlhf_answer(fn([prompt + completion], [prompt], [label]), path)
+                   for prompt, completion, label in zip(prompts, completions, labels)]
+        rewards = [r for r, _, _ in answers]
+        scored = any(s is not None for _, s, _ in answers)  # a query without scores is scored by its reward
+        return RewardAnswer(rewards, [r if s is None else s for r, s, _ in answers] if scored else None,
+                            [logs for _, _, logs in answers])
 
     reward.reward_name = f"--remote_rm_url {path} (reward_func)"
     reward.keeps_special_tokens = True
     return reward
 
 
-def _openrlhf_rewards(answer, path: str) -> list:
-    """One query's rewards from what ``reward_func`` returned: a dict's ``rewards``, or the rewards alone."""
+def _openrlhf_answer(answer, path: str) -> tuple[float, float | None, dict[str, float]]:
+    """One query's (reward, score or None, extra_logs) from what ``reward_func`` returned: a dict of ``rewards``,
+    ``scores`` and ``extra_logs``, or the rewards alone. Each is one number: a float, or a tensor or list whose
+    first element is taken (as OpenRLHF takes ``extra_logs``' values)."""
     rewards = answer.get("rewards") if isinstance(answer, dict) else answer
     if hasattr(rewards, "tolist"):  # a tensor or an array, of one value or a 0-d one
         rewards = rewards.tolist()
@@ -184,7 +203,28 @@ def _openrlhf_rewards(answer, path: str) -> list:
         raise RewardError(f"--remote_rm_url {path}: reward_func returned {what} for one query; return "
                           "{'rewards': tensor([r]), 'scores': ..., 'extra_logs': {...}} or the rewards alone, "
                           "one per query")
-    return rewards
+    if not isinstance(answer, dict):
+        return rewards[0], None, {}
+    score = answer.get("scores")
+    logs = answer.get("extra_logs") or {}
+    if not isinstance(logs, dict):
+        raise RewardError(f"--remote_rm_url {path}: reward_func returned extra_logs {str(logs)[:80]!r}; return a "
+                          "dict of name -> one number per query")
+    return (rewards[0], None if score is None else _one_number(score, "scores", path),
+            {str(name): _one_number(value, f"extra_logs[{name!r}]", path) for name, value in logs.items()})
+
+
+def _one_number(value, what: str, path: str) -> float:
+    """A reward file's ``scores`` or ``extra_logs`` value for one query as a float (a tensor's or a list's first
+    element); anything else is a RewardError naming the file."""
+    if hasattr(value, "flatten"):
+        value = value.flatten().tolist()
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise RewardError(f"--remote_rm_url {path}: reward_func returned {what} {str(value)[:80]!r} for one query; "
+                      "return one finite number per query (a float, or a one-element tensor)")
 
 
 def remote_reward(url: str, timeout_s: float = 60.0, retries: int = 3, pause_s: float = 1.0,
@@ -312,9 +352,16 @@ def checked(source: RewardFn, timeout_s: float | None = None) -> Callable[..., l
             raise RewardError(f"{name} raised {type(err).__name__}: {err} (on {batch}, {len(completions)} "
                               "completions)") from err
 
-    def reward(prompts, completions, rows, batch: str = "this batch", sequences=None) -> list[float]:
+    def scored(prompts, completions, rows, batch: str = "this batch", sequences=None) -> RewardAnswer:
+        """The rewards and, from a source that reports them (OpenRLHF's reward files), the scores and logs."""
         values = answer(source, prompts, completions, rows, batch, sequences)
-        return numbers_of(name, values, len(completions), batch)
+        if isinstance(values, RewardAnswer):  # built by openpack's own adapter: one score and log per completion
+            return RewardAnswer(numbers_of(name, values.rewards, len(completions), batch), values.scores,
+                                values.extra_logs)
+        return RewardAnswer(numbers_of(name, values, len(completions), batch))
+
+    def reward(prompts, completions, rows, batch: str = "this batch", sequences=None) -> list[float]:
+        return scored(prompts, completions, rows, batch, sequences).rewards
 
     def by_source(prompts, completions, rows, batch: str = "this batch", sequences=None) -> dict[str, list[float]]:
         """Each source's rewards (``source_names``): the run's reward and, for several reward models, each alone."""
@@ -325,6 +372,7 @@ def checked(source: RewardFn, timeout_s: float | None = None) -> Callable[..., l
 
     reward.reward_name = name
     reward.by_source = by_source
+    reward.scored = scored
     reward.keeps_special_tokens = getattr(source, "keeps_special_tokens", False)
     return reward
 
@@ -416,11 +464,12 @@ def distillation_only(rl_cfg, data_cfg, agent_cfg) -> bool:
 
 
 class RolloutRewards(Protocol):
-    """A rollout batch's raw rewards, one per completion, on every rank (``prompts``: one per group of n)."""
+    """A rollout batch's raw rewards, one per completion (and a reward file's scores and logs), on every rank
+    (``prompts``: one per group of n)."""
 
     name: str  # said when a reward gives nothing to learn from
 
-    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> RewardAnswer:
         ...
 
 
@@ -432,8 +481,9 @@ class SourceRewards:
         self.source, self.tokenizer, self.n = source, tokenizer, n
         self.name = getattr(source, "reward_name", "the reward")
 
-    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
-        return shared_rewards(self.source, self._texts(prompts, rollouts), dist, where, self._sequences(rollouts))
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> RewardAnswer:
+        return shared_rewards(self.source.scored, self._texts(prompts, rollouts), dist, where,
+                              self._sequences(rollouts))
 
     def by_source(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> dict[str, list[float]]:
         """Each source's rewards (``source_names``) of ``rollouts``, ``self.n`` a prompt, on every rank."""
@@ -457,8 +507,8 @@ class DistillationOnly:
 
     name = "no reward (distillation alone)"
 
-    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
-        return [0.0] * rollouts.size
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> RewardAnswer:
+        return RewardAnswer([0.0] * rollouts.size)
 
 
 class EpisodeRewards:
@@ -467,12 +517,12 @@ class EpisodeRewards:
 
     name = "the environment"
 
-    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
-        return rollouts.env_rewards
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> RewardAnswer:
+        return RewardAnswer(rollouts.env_rewards)
 
 
 def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist: DistInfo, where: str,
-                   sequences: list[list[int]] | None = None) -> list[float] | dict[str, list[float]]:
+                   sequences: list[list[int]] | None = None) -> RewardAnswer | dict[str, list[float]]:
     """Rank 0 asks the reward source (once per batch); every rank gets the answer (the rewards, or ``by_source``'s
     rewards of each source), or raises rank 0's error, so no rank is left waiting in a collective when a reward
     fails."""

@@ -118,11 +118,12 @@ def generate(loop: RLLoop, batch: RolloutBatch, phases: Phases) -> Rollouts:
 
 def reward(loop: RLLoop, prompts: list[Prompt], rollouts: Rollouts, where: str, phases: Phases | None = None) -> None:
     """Set ``rollouts.rewards`` (``prompts``: one per group of n completions): the source's (asked on rank 0 and
-    shared) or the episodes' own, then shaped (overlong penalty, clipping)."""
+    shared) or the episodes' own, then shaped (overlong penalty, clipping); and a reward file's scores and logs."""
     if not rollouts.size:
         return
-    raw = loop.rewards(prompts, rollouts, loop.dist, where)
-    rollouts.rewards, metrics = shaped_rewards(raw, rollouts.response_lengths(), loop.settings)
+    answer = loop.rewards(prompts, rollouts, loop.dist, where)
+    rollouts.rewards, metrics = shaped_rewards(answer.rewards, rollouts.response_lengths(), loop.settings)
+    rollouts.scores, rollouts.reward_logs = answer.scores or [], answer.extra_logs
     if phases is not None:
         phases.add(metrics)
 
@@ -187,7 +188,8 @@ def send_weights(sync: WeightSync, engine: DeepSpeedEngine, dist: DistInfo) -> f
 
 def _dynamically_filtered(loop: RLLoop, batch: RolloutBatch, rollouts: Rollouts) -> tuple[Rollouts, dict]:
     """DAPO's dynamic sampling: groups whose rewards are all equal (or whose mean is outside
-    --dynamic_filtering_reward_range) teach nothing and are dropped; groups of other prompts, drawn by a seed of
+    --dynamic_filtering_reward_range) teach nothing and are dropped (a reward file's ``scores`` are tested instead,
+    where it gives them, as OpenRLHF does); groups of other prompts, drawn by a seed of
     the run, the step and the round (so a resumed run draws the same), are generated and scored in their place,
     for at most ``FILTER_ROUNDS`` rounds. A batch still short is filled with dropped groups (counted)."""
     from openpack.core.advantages import keep_groups
@@ -196,7 +198,9 @@ def _dynamically_filtered(loop: RLLoop, batch: RolloutBatch, rollouts: Rollouts)
     n = settings.n_samples_per_prompt
     kept, spare, dropped, rounds = [], [], 0, 0
     while True:
-        keep = keep_groups(torch.tensor(rollouts.rewards), n, settings.dynamic_filtering_reward_range).tolist()
+        # a reward file's scores where it gives them, as OpenRLHF filters (else the shaped rewards)
+        keep = keep_groups(torch.tensor(rollouts.scores or rollouts.rewards), n,
+                           settings.dynamic_filtering_reward_range).tolist()
         dropped += keep.count(False)
         for g, good in enumerate(keep):
             (kept if good else spare).append(rollouts.select(range(g * n, (g + 1) * n)))
