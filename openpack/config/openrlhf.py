@@ -466,18 +466,25 @@ def dynamic_batch(values: list[str], given: Given):
 
 
 def max_len(values: list[str], given: Given):
+    """OpenRLHF 0.11: ``--data.max_len`` is a prompt's and its completion's budget together; with
+    ``--rollout.max_new_tokens N`` a completion gets N and the prompt the rest, without it a completion gets what
+    its prompt leaves (``max(1, max_len - prompt_len)``, ``utils/agent.py``); an agent's episode is cut at it."""
+    total = int(values[0])
     new_tokens = given.get("--rollout.max_new_tokens")
+    prompt_flags = []
     if new_tokens is not None:
-        prompt = int(values[0]) - int(new_tokens[0])
+        prompt = total - int(new_tokens[0])
         if prompt < 1:
             raise ConfigError(f"--data.max_len {values[0]} leaves no room for a prompt beside "
                               f"--rollout.max_new_tokens {new_tokens[0]}; raise it")
-        return ["--prompt_max_len", str(prompt)], None
-    if given.has("--train.agent_func_path"):
-        return ["--max_episode_tokens", values[0]], None
-    raise ConfigError(f"--data.max_len {values[0]} without --rollout.max_new_tokens: a completion budget that "
-                      "is what its prompt leaves of a shared total is not in openpack's single-turn rollouts; "
-                      "give --rollout.max_new_tokens N (then prompts are up to max_len - N tokens)")
+        prompt_flags = ["--prompt_max_len", str(prompt)]
+    if given.has("--train.agent_func_path"):  # OpenRLHF's agent turns each get what the episode has left of it
+        return ["--max_episode_tokens", values[0], *prompt_flags], None
+    if prompt_flags:
+        return prompt_flags, None
+    if total < 2:
+        raise ConfigError(f"--data.max_len {values[0]} leaves no room for a prompt and a completion; raise it")
+    return ["--max_len", values[0], "--prompt_max_len", str(total - 1), "--generate_max_len", values[0]], None
 
 
 def max_new_tokens(values: list[str], given: Given):
@@ -567,8 +574,9 @@ def rl() -> list[Twin]:
         missing("--ds.use_liger_kernel", "0", "Liger kernels in RL"),
         custom("--train.dynamic_batch_enable", "0", ("--packing_samples", "--use_dynamic_batch"),
                "`--packing_samples --use_dynamic_batch` (OpenRLHF turns packing on with it)", dynamic_batch),
-        like_train("--rollout.max_tokens_per_gpu", "1", ("--train.max_tokens_per_gpu", "--max_tokens_per_gpu"),
-                   "a token cap of the experience passes of its own"),
+        accepted("--rollout.max_tokens_per_gpu", "1", "openpack's experience passes (old policy, reference, critic) "
+                 "pack under the training cap, --train.max_tokens_per_gpu: the same numbers, in rows of that size "
+                 "(a speed and memory knob of OpenRLHF's forward-only passes" + UNUSED + ")"),
         same("--train.max_tokens_per_gpu", "--max_tokens_per_gpu"),
         same("--train.num_episodes", "--num_episodes"),
         same("--rollout.batch_size", "--rollout_batch_size"),
@@ -577,10 +585,11 @@ def rl() -> list[Twin]:
         same("--rollout.micro_batch_size", "--micro_rollout_batch_size", meaning="`--micro_rollout_batch_size` "
              "(prompts per HF generate call; OpenRLHF's batches the experience passes, which openpack batches as "
              "it trains)"),
-        custom("--data.max_len", "1", ("--prompt_max_len", "--max_episode_tokens"), "with "
-               "`--rollout.max_new_tokens N`: `--prompt_max_len` max_len - N (a longer prompt is left out and "
-               "counted; OpenRLHF cuts it from the left); with `--train.agent_func_path`: `--max_episode_tokens`; "
-               "alone refused (a completion budget shared with its prompt)", max_len),
+        custom("--data.max_len", "1", ("--max_len", "--prompt_max_len", "--generate_max_len", "--max_episode_tokens"),
+               "alone: `--max_len L --prompt_max_len L-1 --generate_max_len L` (a completion gets what its prompt "
+               "leaves of L); with `--rollout.max_new_tokens N`: `--prompt_max_len` L - N; with "
+               "`--train.agent_func_path`: `--max_episode_tokens` L (and that `--prompt_max_len`). A longer prompt is left out and counted "
+               "(OpenRLHF cuts it from the left)", max_len),
         custom("--rollout.max_new_tokens", "1", ("--generate_max_len",), "`--generate_max_len`", max_new_tokens),
         same("--actor.eps_clip", "--eps_clip"),
         same("--actor.eps_clip_low_high", "--eps_clip_low_high", "2"),
@@ -736,10 +745,11 @@ WHY = {
                                   "(docs/rl.md, Row cap)",
     "--rollout.micro_batch_size": "another meaning: prompts per HF generate call (OpenRLHF's batches the "
                                   "experience passes); 1 would generate one prompt at a time",
-    "--data.max_len": "another meaning: openpack has no budget shared by a prompt and its completion; each has its "
-                      "own (`--prompt_max_len`, `--generate_max_len`, 1024 each)",
+    "--data.max_len": "none (`--max_len`): a prompt and its completion each have their own budget "
+                      "(`--prompt_max_len`, `--generate_max_len`, 1024 each), which the demos and tests are sized "
+                      "by; `--max_len L` is OpenRLHF's shared one",
     "--rollout.max_new_tokens": "1024 (`--generate_max_len`): OpenRLHF's none gives a completion what its prompt "
-                                "leaves of `--data.max_len`, which openpack's rollouts lack",
+                                "leaves of `--data.max_len`, which openpack does under `--max_len`",
     "--actor.aux_loss_coef": "none: the MoE config's own `router_aux_loss_coef`, so MoE models train with their "
                              "balancing loss (0 leaves it out; docs/models.md)",
     "--train.colocate_actor_ref": "always: the reference lives in the policy's ranks (no devices of its own; "

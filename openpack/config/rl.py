@@ -93,6 +93,9 @@ class RolloutConfig:
     n_samples_per_prompt: int = arg(1, "completions sampled per prompt", at_least=1)
     micro_rollout_batch_size: int = arg(32, "prompts per generate call with --rollout_backend hf", at_least=1)
     generate_max_len: int = arg(1024, "most tokens a completion may have", at_least=1)
+    max_len: int | None = arg(None, "prompt + completion tokens at most: a completion may take what its prompt "
+                              "leaves, up to --generate_max_len (OpenRLHF's --max_len; 0.11's --data.max_len)",
+                              at_least=2, special={None: "no shared budget (--prompt_max_len + --generate_max_len)"})
     temperature: float = arg(1.0, "sampling temperature (log-probs are scored at temperature 1 either way)", above=0)
     top_p: float = arg(1.0, "nucleus sampling: the smallest set of tokens with this much probability", above=0,
                        at_most=1)

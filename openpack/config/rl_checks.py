@@ -69,10 +69,12 @@ def check_rl(cfg: PPORunConfig) -> None:
         raise ConfigError("--prefix_sharing lays each prompt's completions out in one packed row under the token cap: "
                           "add --packing_samples --use_dynamic_batch, or drop --prefix_sharing")
     check_batch_split(train_cfg, launch_cfg)
+    check_shared_budget(cfg)
     longest = episode_budget(cfg)
     if train_cfg.packing_samples and train_cfg.use_dynamic_batch and train_cfg.max_tokens_per_gpu is not None \
             and longest > train_cfg.max_tokens_per_gpu:
         what = ("an episode can be {} tokens (--max_episode_tokens)" if cfg.agent.max_episode_tokens else
+                "a prompt and its completion can be {} tokens (--max_len)" if longest == rollout_cfg.max_len else
                 "a prompt and its completion can be {} tokens (--prompt_max_len + --generate_max_len)")
         raise ConfigError(f"{what.format(longest)}, more than --max_tokens_per_gpu {train_cfg.max_tokens_per_gpu}; "
                           "raise it or lower those")
@@ -91,6 +93,21 @@ def check_rl(cfg: PPORunConfig) -> None:
     check_reward_files(rl_cfg)
     check_distillation(cfg)
     check_evaluation(cfg)
+
+
+def check_shared_budget(cfg: PPORunConfig) -> None:
+    """--max_len (a budget a completion shares with its prompt) leaves every prompt room for one token, and is for
+    single completions: an episode's budget is --max_episode_tokens."""
+    max_len, prompt_max_len = cfg.rollout.max_len, cfg.data.prompt_max_len
+    if max_len is None:
+        return
+    if cfg.agent.enabled:
+        raise ConfigError(f"--max_len {max_len} is the budget of a prompt and its single completion; an episode's "
+                          "is --max_episode_tokens: give that instead")
+    if prompt_max_len >= max_len:
+        raise ConfigError(f"--prompt_max_len {prompt_max_len} leaves a prompt no room for a completion within "
+                          f"--max_len {max_len}: give --prompt_max_len below it (prompts longer are left out), e.g. "
+                          f"{max_len - 1}")
 
 
 def check_distillation(cfg: PPORunConfig) -> None:

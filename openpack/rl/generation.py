@@ -134,7 +134,7 @@ def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tok
                    engine_group=None, bf16: bool = False, save_path=None) -> Generator:
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     sampling = SamplingConfig(rollout_cfg.n_samples_per_prompt, rollout_cfg.temperature, rollout_cfg.top_p,
-                              rollout_cfg.generate_max_len, stop)
+                              rollout_cfg.generate_max_len, stop, rollout_cfg.max_len)
     if backend == "hf":
         from openpack.rollout.hf_engine import HFEngine
 

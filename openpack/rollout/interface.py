@@ -32,6 +32,7 @@ class SamplingConfig:
     top_p: float = 1.0
     max_tokens: int = 64  # --generate_max_len
     stop_token_ids: list[int] = field(default_factory=list)  # eos etc.
+    max_total: int | None = None  # --max_len: prompt + completion tokens at most (None: no shared budget)
 
     def __post_init__(self):
         if self.n < 1:
@@ -44,6 +45,13 @@ class SamplingConfig:
             raise ValueError(f"--top_p must be in (0, 1], got {self.top_p}")
         if self.temperature == 0 and self.n > 1:
             raise ValueError(f"--temperature 0 is greedy: n_samples_per_prompt={self.n} would repeat one completion")
+
+    def budget(self, prompt_tokens: int) -> int:
+        """Most tokens a completion of a prompt of ``prompt_tokens`` tokens may have: ``max_tokens``, or what the
+        prompt leaves of ``max_total`` if less (at least 1, as OpenRLHF's ``max(1, max_len - prompt_len)``)."""
+        if self.max_total is None:
+            return self.max_tokens
+        return max(1, min(self.max_tokens, self.max_total - prompt_tokens))
 
 
 @dataclass

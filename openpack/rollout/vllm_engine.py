@@ -170,7 +170,7 @@ class VLLMEngine:
         """Queue ``generate``'s requests without sampling yet (``step`` and ``collect`` sample them)."""
         self._check_awake("generate", "kv_cache")
         # vLLM seeds sample j of a request with seed + j; scaling by n keeps every sample's seed distinct.
-        params = [self._sampling_params(sampling, seed * sampling.n) for seed in seeds]
+        params = [self._sampling_params(sampling, seed * sampling.n, len(p)) for p, seed in zip(prompts, seeds)]
         self.llm.enqueue([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
 
     def step(self) -> bool:
@@ -195,12 +195,12 @@ class VLLMEngine:
         outputs, self._finished = self._finished, []
         return sorted(outputs, key=lambda output: int(output.request_id))
 
-    def _sampling_params(self, sampling: SamplingConfig, seed: int):
+    def _sampling_params(self, sampling: SamplingConfig, seed: int, prompt_tokens: int):
         return self._vllm.SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
+            max_tokens=sampling.budget(prompt_tokens),  # a request's own: vLLM stops each at its budget
             stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=True,  # stop on stop_token_ids only, not also on the model's generation-config eos ids
             seed=seed,

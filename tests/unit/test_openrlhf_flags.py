@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from openpack.config import commands, openrlhf
+from openpack.config import commands, openrlhf, rl_checks
 from openpack.config.runner import run_training
 from openpack.config.schema import ConfigError
 
@@ -274,6 +274,12 @@ def test_a_refused_flag_exits_2_with_one_line_before_any_work(monkeypatch, capsy
     (["--critic.freezing_steps", "-1"], ["--freezing_actor_steps", "0"]),
     (["--data.max_len", "1000", "--train.agent_func_path", "a.py"],
      ["--max_episode_tokens", "1000", "--agent_func_path", "a.py"]),
+    (["--data.max_len", "2048"], ["--max_len", "2048", "--prompt_max_len", "2047", "--generate_max_len", "2048"]),
+    (["--data.max_len", "2048", "--rollout.max_new_tokens", "512"], ["--prompt_max_len", "1536",
+                                                                      "--generate_max_len", "512"]),
+    (["--train.agent_func_path", "a.py", "--data.max_len", "74240", "--rollout.max_new_tokens", "64000"],
+     ["--agent_func_path", "a.py", "--max_episode_tokens", "74240", "--prompt_max_len", "10240",
+      "--generate_max_len", "64000"]),  # OpenRLHF's agent turns get what the episode has left
     (["--rollout.vllm_generate_batch_size", "1024"], []),  # the run's --rollout_batch_size (the default)
     (["--reward.remote_url", "/openrlhf/examples/python/reward_func.py"],
      ["--remote_rm_url", "/openrlhf/examples/python/reward_func.py"]),  # OpenRLHF's reward file (issue 41)
@@ -287,6 +293,7 @@ def test_rl_values_keep_openrlhfs_meaning(argv, classic):
 @pytest.mark.parametrize("argv,note", [
     (["--algo.advantage.is_correction_type", "icepop"], "no correction, as in OpenRLHF without"),
     (["--train.async_queue_size", "4"], "nothing to queue"),
+    (["--rollout.max_tokens_per_gpu", "32768"], "pack under the training cap"),  # a speed knob: same numbers
 ])
 def test_a_setting_openrlhf_ignores_alone_is_said_and_sets_nothing(argv, note):
     translated = openrlhf.translate("train_ppo", argv)
@@ -294,10 +301,8 @@ def test_a_setting_openrlhf_ignores_alone_is_said_and_sets_nothing(argv, note):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--data.max_len", "2048"], "without --rollout.max_new_tokens"),
     (["--reward.remote_url", "http://a,http://b"], "several reward servers"),
     (["--critic.adam.betas", "0.9", "0.99"], "optimizer settings of the critic's own"),
-    (["--rollout.max_tokens_per_gpu", "8192", "--train.max_tokens_per_gpu", "16384"], "a token cap"),
     (["--reward.overlong_buffer_len", "10.5"], "a whole number"),
 ])
 def test_rl_values_openpack_cannot_take_are_refused(argv, expected):
@@ -366,3 +371,59 @@ def test_a_default_changed_on_either_side_is_seen(monkeypatch):
     assert "--data.label_key" not in docs_tables.differing_defaults("train_ppo")
     set_default(rl.PromptDataConfig, "label_key", "answer")
     assert docs_tables.differing_defaults("train_ppo")["--data.label_key"] == ("none", "--label_key answer")
+
+
+# OpenRLHF 0.11's RL example scripts (``example_scripts.tsv``: each script's train_ppo_ray flags, as bash expands
+# them, written by ``extract_example_scripts.py``): accepted with only paths, sizes and GPU counts to change, or
+# refused at start by the first flag that asks for a feature openpack lacks.
+EXAMPLE_SCRIPTS = {
+    "train_ppo_ray_hybrid_engine.sh": None,
+    "train_ppo_with_reward_fn.sh": None,
+    "train_dapo_ray_hybrid_engine.sh": None,
+    "train_reinforce_baseline_hybrid_engine.sh": "--ds.ring_attn_size 2: context parallelism in RL",
+    "train_reinforce_baseline_ray_agent_async.sh": "--ds.ring_attn_size 2: context parallelism in RL",
+    "train_prorlv2_math_hybrid_engine.sh": "--reward.stop_properly_penalty_coef 0.0: ProRL's penalty for truncated "
+                                           "completions",
+    "train_vlm_math_hybrid_engine.sh": "--data.max_images_per_prompt 1: vision-language models",
+}
+
+
+def example_scripts() -> dict[str, list[str]]:
+    rows = (line.split("\t") for line in (DATA / "example_scripts.tsv").read_text().splitlines()
+            if not line.startswith("#"))
+    return {script: json.loads(argv) for script, argv in rows}
+
+
+def test_the_example_scripts_are_0_11s_rl_scripts():
+    assert set(example_scripts()) == set(EXAMPLE_SCRIPTS)
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLE_SCRIPTS))
+def test_an_openrlhf_example_script_is_accepted_or_refused_naming_the_feature(script):
+    argv, refused = example_scripts()[script], EXAMPLE_SCRIPTS[script]
+    if refused is not None:
+        with pytest.raises(ConfigError) as err:
+            openrlhf.translate("train_ppo", argv)
+        assert str(err.value).startswith(refused) and "is not in openpack" in str(err.value), err.value
+        return
+    translated = openrlhf.translate("train_ppo", argv)
+    cfg = commands.PPO.run_config.parse(translated.argv, "openpack train_ppo", "", aliases=commands.PPO.aliases)
+    # --data.max_len 2048 alone (no --rollout.max_new_tokens): OpenRLHF's budget shared by a prompt and its
+    # completion, which used to be refused
+    assert (cfg.rollout.max_len, cfg.data.prompt_max_len, cfg.rollout.generate_max_len) == (2048, 2047, 2048)
+    rl_checks.check_shared_budget(cfg)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--max_len", "512"], "--prompt_max_len 1024 leaves a prompt no room for a completion within --max_len 512: "
+                           "give --prompt_max_len below it (prompts longer are left out), e.g. 511"),
+    (["--max_len", "512", "--prompt_max_len", "100", "--env_file", "env.py"],
+     "--max_len 512 is the budget of a prompt and its single completion; an episode's is --max_episode_tokens: "
+     "give that instead"),
+])
+def test_a_shared_budget_that_cannot_hold_is_refused(argv, expected):
+    """--max_len (OpenRLHF's --data.max_len alone) leaves every prompt kept room for one token of completion."""
+    cfg = commands.PPO.run_config.parse(argv, "openpack train_ppo", "", aliases=commands.PPO.aliases)
+    with pytest.raises(ConfigError) as err:
+        rl_checks.check_shared_budget(cfg)
+    assert str(err.value) == expected
