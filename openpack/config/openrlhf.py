@@ -632,7 +632,7 @@ def rl() -> list[Twin]:
         same("--reward.overlong_buffer_len", "--overlong_buffer_len", convert=_whole,
              meaning="`--overlong_buffer_len` (a whole number of tokens)"),
         same("--reward.overlong_penalty_factor", "--overlong_penalty_factor"),
-        missing("--reward.stop_properly_penalty_coef", "1", "ProRL's penalty for truncated completions"),
+        same("--reward.stop_properly_penalty_coef", "--stop_properly_penalty_coef"),
         missing("--ds.ring_attn_size", "1", "context parallelism in RL (train_sft, train_dpo and train_rm have it)",
                 off=("1",)),
         same("--actor.model_name_or_path", "--pretrain"),

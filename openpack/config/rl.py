@@ -204,6 +204,10 @@ class RLConfig:
                                           "--generate_max_len minus this lose up to --overlong_penalty_factor",
                                           at_least=1, special={None: "off"})
     overlong_penalty_factor: float = arg(1.0, "the overlong penalty at --generate_max_len tokens", at_least=0)
+    stop_properly_penalty_coef: float | None = arg(None, "ProRL's penalty for a completion cut at its token budget "
+                                                   "(no stop token): its reward times this, in [0, 1], or a "
+                                                   "negative value as its reward", at_most=1,
+                                                   special={None: "off"})
     dynamic_filtering: bool = arg(False, "DAPO's dynamic sampling: groups whose completions all score the same (or "
                                   "whose mean is outside --dynamic_filtering_reward_range) are dropped and replaced")
     dynamic_filtering_reward_range: list[float] | None = arg(None, "two values: keep groups whose mean reward is "

@@ -49,6 +49,12 @@ response of ``length`` tokens, with expected = generate_max_len - buffer_len::
 0 up to ``expected``, linear down to -factor at generate_max_len. Dynamic
 sampling keeps only the groups whose rewards differ (``keep_groups``).
 
+ProRL v2's stop-properly penalty (NVIDIA 2025, as OpenRLHF 0.11 applies it after the overlong penalty and before
+clipping) for a response cut at its token budget instead of ending on a stop token::
+
+    reward = reward x coef     (truncated, coef in [0, 1]; 0: a truncated response earns nothing)
+    reward = coef              (truncated, coef < 0: a fixed penalty)
+
 On-policy distillation (Agarwal et al. 2024, GKD; Lu / Thinking Machines
 2025): a teacher nu scores the student's own sampled tokens, and each token's
 advantage gains ``coef x (log nu(y_t) - log pi(y_t))``, the negative
@@ -253,6 +259,16 @@ def overlong_penalty(lengths: Tensor, generate_max_len: int, buffer_len: int, fa
                          f"generate_max_len ({generate_max_len})")
     excess = (lengths.double() - (generate_max_len - buffer_len)).clamp(0, buffer_len)
     return (-excess / buffer_len * factor).float()
+
+
+def stop_properly_penalty(rewards: Tensor, truncated: Tensor, coef: float) -> Tensor:
+    """ProRL's penalty (module docstring): ``rewards`` [B] with each truncated [B] bool response's reward scaled by
+    ``coef`` in [0, 1], or replaced by a negative ``coef``."""
+    if coef > 1:
+        raise ValueError(f"the stop-properly coefficient scales a reward by [0, 1] or, negative, replaces it; "
+                         f"got {coef}")
+    penalised = torch.full_like(rewards, coef) if coef < 0 else rewards * coef
+    return torch.where(truncated, penalised, rewards)
 
 
 def clip_rewards(rewards: Tensor, low_high: tuple[float, float] | None) -> Tensor:

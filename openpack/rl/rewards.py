@@ -1,6 +1,6 @@
 """Where an RL step's rewards come from: a rule function, a remote reward model over HTTP, reward models, or the
 built-in task's exact match; asked once per rollout batch on rank 0 and shared (``shared_rewards``), then
-shaped (``shaped_rewards``: DAPO's overlong penalty, clipping).
+shaped (``shaped_rewards``: DAPO's overlong penalty, ProRL's stop-properly penalty, clipping).
 
 Every source is one callable, ``reward(prompts, completions, rows) -> one float per completion``, called on
 a whole rollout batch (``rows`` are the prompts' dataset rows, for labels and other columns). ``checked``
@@ -49,7 +49,7 @@ from typing import Protocol
 
 import torch
 
-from openpack.core.advantages import clip_rewards, overlong_penalty
+from openpack.core.advantages import clip_rewards, overlong_penalty, stop_properly_penalty
 from openpack.data.loading import DataError
 from openpack.data.prompts import Prompt
 from openpack.distributed.process import DistInfo, broadcast_object
@@ -538,14 +538,20 @@ def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist:
     return values
 
 
-def shaped_rewards(raw: list[float], response_lengths: list[int], settings: RLSettings) -> tuple[list[float], dict]:
-    """The source's rewards plus DAPO's overlong penalty, then clipped to --reward_clip_range; with metrics."""
+def shaped_rewards(raw: list[float], response_lengths: list[int], finished: list[bool],
+                   settings: RLSettings) -> tuple[list[float], dict]:
+    """The source's rewards plus DAPO's overlong penalty, those of completions cut at their budget (not
+    ``finished``) penalised as ProRL does (--stop_properly_penalty_coef), then clipped to --reward_clip_range, in
+    OpenRLHF 0.11's order; with metrics."""
     rewards, metrics = torch.tensor(raw, dtype=torch.float32), {}
     if settings.overlong_buffer_len:
         penalty = overlong_penalty(torch.tensor(response_lengths), settings.generate_max_len,
                                    settings.overlong_buffer_len, settings.overlong_penalty_factor)
         rewards = rewards + penalty
         metrics["reward/overlong_penalty"] = penalty.mean().item()
+    if settings.stop_properly_penalty_coef is not None:
+        rewards = stop_properly_penalty(rewards, ~torch.tensor(finished, dtype=torch.bool),
+                                        settings.stop_properly_penalty_coef)
     if settings.reward_clip_range is not None:
         metrics["reward/source"] = sum(raw) / len(raw)
         rewards = clip_rewards(rewards, settings.reward_clip_range)

@@ -37,6 +37,7 @@ class RLSettings:
     freezing_actor_steps: int = 0  # rollout batches that train only the critic
     overlong_buffer_len: int | None = None  # DAPO's overlong penalty
     overlong_penalty_factor: float = 1.0
+    stop_properly_penalty_coef: float | None = None  # ProRL's penalty for truncated completions
     reward_clip_range: tuple[float, float] | None = None
     dynamic_filtering: bool = False  # DAPO's dynamic sampling
     dynamic_filtering_reward_range: tuple[float, float] | None = None
@@ -100,6 +101,7 @@ def rl_settings(cfg) -> RLSettings:
         gamma=rl_cfg.gamma, updates_per_rollout=updates_per_rollout(rollout_cfg, train_cfg), lambd=rl_cfg.lambd,
         value_clip=rl_cfg.value_clip, freezing_actor_steps=rl_cfg.freezing_actor_steps,
         overlong_buffer_len=rl_cfg.overlong_buffer_len, overlong_penalty_factor=rl_cfg.overlong_penalty_factor,
+        stop_properly_penalty_coef=rl_cfg.stop_properly_penalty_coef,
         reward_clip_range=_pair(rl_cfg.reward_clip_range), dynamic_filtering=rl_cfg.dynamic_filtering,
         dynamic_filtering_reward_range=_pair(rl_cfg.dynamic_filtering_reward_range),
         dynamic_filtering_max_empty_steps=(rl_cfg.dynamic_filtering_max_empty_steps

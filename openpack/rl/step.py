@@ -122,7 +122,8 @@ def reward(loop: RLLoop, prompts: list[Prompt], rollouts: Rollouts, where: str, 
     if not rollouts.size:
         return
     answer = loop.rewards(prompts, rollouts, loop.dist, where)
-    rollouts.rewards, metrics = shaped_rewards(answer.rewards, rollouts.response_lengths(), loop.settings)
+    rollouts.rewards, metrics = shaped_rewards(answer.rewards, rollouts.response_lengths(), rollouts.finished,
+                                               loop.settings)
     rollouts.scores, rollouts.reward_logs = answer.scores or [], answer.extra_logs
     if phases is not None:
         phases.add(metrics)

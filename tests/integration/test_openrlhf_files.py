@@ -151,6 +151,18 @@ def test_data_max_len_alone_gives_each_completion_what_its_prompt_leaves(rl_mode
     assert max(query for _, query in sizes) == 24 and max(q - p for p, q in sizes) > 8, sizes  # not COMMON's 8
 
 
+def test_prorls_stop_properly_penalty_zeroes_the_rewards_of_truncated_completions(rl_model, tmp_path):
+    """--reward.stop_properly_penalty_coef 0.0 (OpenRLHF's ProRL v2 script): a completion cut at its 8-token budget
+    earns nothing, one that ended on its stop token keeps the file's 1.0; so the mean reward is the share that
+    ended. A random policy seldom ends within 8 tokens: some are cut, which is what the test needs."""
+    reward = write(tmp_path, "reward_func.py", "def reward_func(queries, prompts, labels):\n    return [1.0]\n")
+    assert ppo(rl_model, tmp_path / "run", "--reward.remote_url", reward,
+               "--reward.stop_properly_penalty_coef", "0.0") == 0
+    (metrics,) = read_metrics(tmp_path / "run")
+    assert metrics["response_length/truncated"] > 0, metrics
+    assert metrics["reward"] == pytest.approx(1 - metrics["response_length/truncated"]), metrics
+
+
 @pytest.mark.parametrize("text,expected", [
     (None, "no such file; give OpenRLHF's reward file"),
     ("import not_a_module_anywhere\n", "importing it failed: ModuleNotFoundError"),

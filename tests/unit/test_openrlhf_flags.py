@@ -374,16 +374,17 @@ def test_a_default_changed_on_either_side_is_seen(monkeypatch):
 
 
 # OpenRLHF 0.11's RL example scripts (``example_scripts.tsv``: each script's train_ppo_ray flags, as bash expands
-# them, written by ``extract_example_scripts.py``): accepted with only paths, sizes and GPU counts to change, or
-# refused at start by the first flag that asks for a feature openpack lacks.
+# them, written by ``extract_example_scripts.py``): accepted with only paths, sizes and GPU counts to change (with
+# the token budgets they get: --max_len, --prompt_max_len, --generate_max_len), or refused at start by the first
+# flag that asks for a feature openpack lacks.
+SHARED_2048 = (2048, 2047, 2048)  # --data.max_len 2048 alone: a budget each completion shares with its prompt
 EXAMPLE_SCRIPTS = {
-    "train_ppo_ray_hybrid_engine.sh": None,
-    "train_ppo_with_reward_fn.sh": None,
-    "train_dapo_ray_hybrid_engine.sh": None,
+    "train_ppo_ray_hybrid_engine.sh": SHARED_2048,
+    "train_ppo_with_reward_fn.sh": SHARED_2048,
+    "train_dapo_ray_hybrid_engine.sh": SHARED_2048,
+    "train_prorlv2_math_hybrid_engine.sh": (None, 1024, 8192),  # --data.max_len 9216 --rollout.max_new_tokens 8192
     "train_reinforce_baseline_hybrid_engine.sh": "--ds.ring_attn_size 2: context parallelism in RL",
     "train_reinforce_baseline_ray_agent_async.sh": "--ds.ring_attn_size 2: context parallelism in RL",
-    "train_prorlv2_math_hybrid_engine.sh": "--reward.stop_properly_penalty_coef 0.0: ProRL's penalty for truncated "
-                                           "completions",
     "train_vlm_math_hybrid_engine.sh": "--data.max_images_per_prompt 1: vision-language models",
 }
 
@@ -400,17 +401,15 @@ def test_the_example_scripts_are_0_11s_rl_scripts():
 
 @pytest.mark.parametrize("script", sorted(EXAMPLE_SCRIPTS))
 def test_an_openrlhf_example_script_is_accepted_or_refused_naming_the_feature(script):
-    argv, refused = example_scripts()[script], EXAMPLE_SCRIPTS[script]
-    if refused is not None:
+    argv, expected = example_scripts()[script], EXAMPLE_SCRIPTS[script]
+    if isinstance(expected, str):
         with pytest.raises(ConfigError) as err:
             openrlhf.translate("train_ppo", argv)
-        assert str(err.value).startswith(refused) and "is not in openpack" in str(err.value), err.value
+        assert str(err.value).startswith(expected) and "is not in openpack" in str(err.value), err.value
         return
     translated = openrlhf.translate("train_ppo", argv)
     cfg = commands.PPO.run_config.parse(translated.argv, "openpack train_ppo", "", aliases=commands.PPO.aliases)
-    # --data.max_len 2048 alone (no --rollout.max_new_tokens): OpenRLHF's budget shared by a prompt and its
-    # completion, which used to be refused
-    assert (cfg.rollout.max_len, cfg.data.prompt_max_len, cfg.rollout.generate_max_len) == (2048, 2047, 2048)
+    assert (cfg.rollout.max_len, cfg.data.prompt_max_len, cfg.rollout.generate_max_len) == expected
     rl_checks.check_shared_budget(cfg)
 
 
