@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny model, a row of 256 tokens, no cap (unless --cap_mb); docs only to a --markdown "
                              "file")
+    parser.add_argument("--render", type=Path, default=None,
+                        help="write the docs section and chart again from this results.json of an earlier run")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -476,14 +478,30 @@ def sweep_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def memory_slopes(runs: list[dict], key: str = "step_mb") -> dict:
-    """Per arm, the least-squares slope of step memory over row length, MiB per 1000 tokens of the row."""
-    slopes = {}
+def memory_growth(runs: list[dict], key: str = "step_mb") -> dict:
+    """Per arm, how much step memory grows per 1000 tokens of the row between the two longest lengths measured
+    (MiB; medians over repeats). Shorter rows are left out: the chunked LM head (``core.logprobs``, 2^26 logits a
+    chunk: 2097 tokens at vocab 32000) holds up to two chunks' buffers at its peak, so its memory grows with a
+    rank's tokens up to two chunks and then stays (measured alone, fp32, width 256: 299 MiB at 2048 tokens, 549 at
+    4096, 567 at 8192)."""
+    growth = {}
     for arm in ARMS:
-        points = [(r["length"], r[key]) for r in runs if r["arm"] == arm]
-        if len({n for n, _ in points}) > 1:
-            slopes[arm] = float(np.polyfit(*zip(*points), 1)[0]) * 1000
-    return slopes
+        lengths = sorted({r["length"] for r in runs if r["arm"] == arm})
+        if len(lengths) > 1:
+            short, long = ([r[key] for r in runs if r["arm"] == arm and r["length"] == n] for n in lengths[-2:])
+            growth[arm] = (harness.spread(long)[1] - harness.spread(short)[1]) / (lengths[-1] - lengths[-2]) * 1000
+    return growth
+
+
+def same_tokens_extra(runs: list[dict]) -> dict[int, float]:
+    """Row length L -> a ring rank's step memory at L minus one rank's at L / 2 (the same number of tokens held):
+    what splitting costs beyond holding half the row, the row's K/V above all (MiB; medians over repeats)."""
+    def median(arm, length):
+        values = [r["step_mb"] for r in runs if r["arm"] == arm and r["length"] == length]
+        return harness.spread(values)[1] if values else None
+
+    return {n: median("ring 2", n) - median("1 rank", n // 2) for n in sorted({r["length"] for r in runs})
+            if median("ring 2", n) is not None and n % 2 == 0 and median("1 rank", n // 2) is not None}
 
 
 def balance_table(rows: list[dict]) -> str:
@@ -497,56 +515,67 @@ def balance_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown_section(args, runs, cap, rows, chart: Path | None, doc: Path, wall_s: float, load: str) -> str:
+def markdown_section(results: dict, chart: Path | None, doc: Path) -> str:
+    """The docs section of one run, from its results.json alone (``--render`` writes it again without measuring)."""
+    settings, runs, cap, rows = results["settings"], results["runs"], results["cap"], results["balance"]
     image = f"![context parallelism: memory and tokens/s]({os.path.relpath(chart, doc.parent)})\n\n" if chart else ""
-    slopes, heap = memory_slopes(runs), memory_slopes(runs, "heap_step_mb")
-    slope_line = ""
-    if len(slopes) == 2:
-        slope_line = (f"Step memory grows by {slopes['1 rank']:.0f} MiB per 1000 tokens of the row on 1 rank and by "
-                      f"{slopes['ring 2']:.0f} MiB on each of 2 ranks: **{slopes['1 rank'] / slopes['ring 2']:.2f}x "
-                      f"less per rank** (least squares over the lengths measured; on glibc's heap "
-                      f"{heap['1 rank']:.0f} and {heap['ring 2']:.0f} MiB, "
-                      f"{heap['1 rank'] / heap['ring 2']:.2f}x).\n\n")
+    growth, heap = memory_growth(runs), memory_growth(runs, "heap_step_mb")
+    lengths = sorted({r["length"] for r in runs})
+    memory_line = ""
+    if len(growth) == 2:
+        memory_line = (f"Between {lengths[-2]} and {lengths[-1]} tokens step memory grows by "
+                       f"{growth['1 rank']:.0f} MiB per 1000 tokens of the row on 1 rank and by "
+                       f"{growth['ring 2']:.0f} MiB on each of 2 ranks: **{growth['1 rank'] / growth['ring 2']:.2f}x "
+                       f"less per rank** (on glibc's heap {heap['1 rank']:.0f} and {heap['ring 2']:.0f} MiB, "
+                       f"{heap['1 rank'] / heap['ring 2']:.2f}x).")
+    extra = same_tokens_extra(runs)
+    if extra:
+        memory_line += (" A ring rank holding half of a row of L tokens holds "
+                         + ", ".join(f"{mb:+.0f} MiB at {n}" for n, mb in extra.items())
+                         + " against one rank holding a whole row of L / 2: splitting costs that, beyond holding "
+                         "half the row.")
     cap_line = ""
     if cap:
         one, two = cap["1 rank"]["longest"], cap["ring 2"]["longest"]
         ratio = f"**{two / one:.2f}x**" if one else "no ratio (nothing fits on 1 rank)"
-        cap_line = (f"**Longest sample under a cap of {args.cap_mb:.0f} MiB per rank** (whole-process peak RSS, "
-                    f"`VmHWM`, start-up included, of memory runs, measured against the cap; bisection in steps of "
-                    f"{args.resolution} tokens, the sweep's memory runs as known points): "
+        cap_line = (f"**Longest sample under a cap of {settings['cap_mb']:.0f} MiB per rank** (whole-process peak "
+                    "RSS, `VmHWM`, start-up included, of memory runs, measured against the cap; bisection in steps "
+                    f"of {settings['resolution']} tokens, the sweep's memory runs as known points): "
                     f"{one} tokens on 1 rank (first over: {cap['1 rank']['first_over']}), {two} on 2 ranks (first "
                     f"over: {cap['ring 2']['first_over']}): {ratio}.\n\n")
-    flags = harness.given_flags()
     worst = max((r["worst"] for r in rows), default=float("nan"))
+    threads = settings["threads"]
     return f"""## Context parallelism: one long row on 1 rank vs 2 ranks (`benchmarks/context_parallel.py`)
 
 ```
-python benchmarks/context_parallel.py{(' ' + flags) if flags else ''}
+python benchmarks/context_parallel.py{(' ' + results['flags']) if results['flags'] else ''}
 ```
 
-Machine: {harness.machine_description()}; {harness.code_description()}. Load average when it started: {load}.
-The script took {wall_s:.0f} s. Model: {args.spec.describe()}; fp32. One training step (forward, token-mean NLL,
-backward, the gradient summed over the context group, AdamW) on a row of one document of L tokens, after a
-warm-up step on {WARMUP_TOKENS}; each rank its own process. Arms at the same {args.threads} cores: 1 rank with
-{args.threads} threads, and `--ring_attn_size 2`'s split (per-document zigzag, K/V all-gathered over gloo) on 2
-ranks of {max(1, args.threads // 2)} thread(s). Each cell runs twice in fresh processes: a memory run with glibc's
-`MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}` (every allocation of 64 KiB or more mapped on its own and returned when
-freed, so resident memory follows the live tensors) and a timed run on glibc's default heap, which keeps freed
-blocks resident (its step memory is shown too). Step memory: the rank's peak resident memory during the step
-(`VmHWM`, reset after the warm-up) minus its resident memory just before it (model, gradients, AdamW state);
-the tables show the larger rank. Tokens/s: L over the slower rank's step, from the timed run. {args.repeats}
-run(s) per cell.
+Machine: {results['machine']}; {results['code']}. Load average when it started: {results['load']}.
+The script took {results['wall_s']:.0f} s. Model: {ModelSpec(**results['model']).describe()}; fp32. One training
+step (forward, token-mean NLL, backward, the gradient summed over the context group, AdamW) on a row of one
+document of L tokens, after a warm-up step on {WARMUP_TOKENS}; each rank its own process. Arms at the same
+{threads} cores: 1 rank with {threads} threads, and `--ring_attn_size 2`'s split (per-document zigzag, K/V
+all-gathered over gloo) on 2 ranks of {max(1, threads // 2)} thread(s). Each cell runs twice in fresh processes: a
+memory run with glibc's `MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}` (every allocation of 64 KiB or more mapped on its
+own and returned when freed, so resident memory follows the live tensors) and a timed run on glibc's default heap,
+which keeps freed blocks resident (its step memory is shown too). Step memory: the rank's peak resident memory
+during the step (`VmHWM`, reset after the warm-up) minus its resident memory just before it (model, gradients,
+AdamW state); the tables show the larger rank. Tokens/s: L over the slower rank's step, from the timed run.
+{settings['repeats']} run(s) per cell.
 
 {sweep_table(runs)}
 
-{slope_line}{cap_line}**Balance of attention work** (`core.context_parallel.attention_work`: query-key pairs per
-rank, largest over the mean of its group). Zigzag: each document cut in 2N chunks, the split this code uses; worst
-over all rows {worst:.4f} (target: within 10% of the mean). Row cut: the row itself cut in 2N chunks, documents
-ignored for the split (attention still per document).
+{memory_line}
+
+{cap_line}**Balance of attention work** (`core.context_parallel.attention_work`: query-key pairs per rank, largest
+over the mean of its group). Zigzag: each document cut in 2N chunks, the split this code uses; worst over all
+rows {worst:.4f} (target: within 10% of the mean). Row cut: the row itself cut in 2N chunks, documents ignored for
+the split (attention still per document).
 
 {balance_table(rows)}
 
-{image}"""
+{image}What the numbers mean, and what to expect on GPUs: [docs/context_parallel.md](context_parallel.md)."""
 
 
 def charts(path: Path, runs: list[dict]) -> None:
@@ -567,6 +596,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         return worker(args.worker, args.rank)
+    if args.render is not None:  # the docs section and chart of an earlier run, measuring nothing
+        write_docs(args, json.loads(args.render.read_text()))
+        return 0
     return harness.run_in_work_folder(args, benchmark, None, "context_parallel_")
 
 
@@ -588,15 +620,20 @@ def benchmark(args, work: Path) -> int:
     if cap:
         print(json.dumps({arm: {k: v for k, v in found.items() if k != "probes"} for arm, found in cap.items()}))
     wall_s = time.perf_counter() - started
-    (work / "results.json").write_text(json.dumps({
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "spec"},
-        "model": vars(args.spec), "load": load, "balance": rows, "runs": runs, "slopes": memory_slopes(runs),
-        "cap": cap, "wall_s": wall_s}, indent=1))
-    if args.markdown is not None:
-        charts(args.chart, runs)
-        harness.write_section(args.markdown, SECTION,
-                              markdown_section(args, runs, cap, rows, args.chart, args.markdown, wall_s, load))
+    results = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "spec"},
+               "model": vars(args.spec), "machine": harness.machine_description(), "code": harness.code_description(),
+               "flags": harness.given_flags(), "load": load, "balance": rows, "runs": runs,
+               "growth": memory_growth(runs), "same_tokens_extra": same_tokens_extra(runs), "cap": cap,
+               "wall_s": wall_s}
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    write_docs(args, results)
     return 0
+
+
+def write_docs(args, results: dict) -> None:
+    if args.markdown is not None:
+        charts(args.chart, results["runs"])
+        harness.write_section(args.markdown, SECTION, markdown_section(results, args.chart, args.markdown))
 
 
 if __name__ == "__main__":

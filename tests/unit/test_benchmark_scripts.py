@@ -278,6 +278,13 @@ def test_context_parallel_smoke(tmp_path):
     assert text.startswith("# Benchmarks\n\n## Kept section\n\nuntouched\n")
     assert "<!-- context_parallel:begin -->" in text and "nothing fits on 1 rank" in text
     assert (tmp_path / "img" / "context_parallel.png").stat().st_size > 0
+    again = tmp_path / "again.md"  # --render: the same section from results.json alone, nothing measured
+    rendered = subprocess.run([sys.executable, str(BENCHMARKS / "context_parallel.py"), "--render",
+                               str(tmp_path / "work" / "results.json"), "--markdown", str(again)],
+                              capture_output=True, text=True, timeout=HANG_S, check=False)
+    assert rendered.returncode == 0, rendered.stderr[-3000:]
+    section = text[text.index("<!-- context_parallel:begin -->"):]
+    assert again.read_text().endswith(section)
 
 
 def test_context_parallel_bisection_finds_the_longest_length_that_fits():
