@@ -4,7 +4,8 @@ Two processes (``context_parallel_script.py``) each run their part of the row th
 values all-gathered in every layer (``models.context_parallel``); log-probs and the two ranks' parameter gradients
 are summed and compared with one unsplit forward and backward. Cases: Llama (4 query heads over 2 KV heads), Llama
 with 8 over 2, Qwen2 with an 8-token window on one layer, Gemma-2 (attention and final logit softcaps, a window on
-alternating layers), Llama with dynamic NTK rope (frequencies from each document's whole length). The guard case
+alternating layers), Llama with dynamic NTK rope (frequencies from each document's whole length), Llama with gradient
+checkpointing (each layer's K/V all-gather runs again in the backward). The guard case
 splits the row as one document (attention over every gathered key before a token): it must fail.
 
 The pair losses on a row of three pairs: DPO's (policy and reference log-prob sums summed over the group before
