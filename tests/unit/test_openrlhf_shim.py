@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from openpack.rl.openrlhf_shim import extract_boxed_answer, grade_answer, openrlhf_names
-from openpack.rl.rewards import RewardError, _openrlhf_rewards
+from openpack.rl.rewards import RewardError, _openrlhf_answer
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -46,14 +46,16 @@ def test_the_names_exist_only_while_a_file_loads_and_never_shadow_openrlhf():
 
 
 @pytest.mark.parametrize("answer,expected", [
-    ({"rewards": torch.tensor([0.5]), "scores": torch.tensor([1.0]), "extra_logs": {}}, [0.5]),
-    ({"rewards": torch.tensor(0.5)}, [0.5]),
-    ({"rewards": [1.0]}, [1.0]),
-    (torch.tensor([2.0]), [2.0]),
-    (3, [3]),
+    ({"rewards": torch.tensor([0.5]), "scores": torch.tensor([1.0]), "extra_logs": {}}, (0.5, 1.0, {})),
+    ({"rewards": torch.tensor([0.5]), "extra_logs": {"acc": torch.tensor([1.0])}}, (0.5, None, {"acc": 1.0})),
+    ({"rewards": torch.tensor(0.5)}, (0.5, None, {})),
+    ({"rewards": [1.0]}, (1.0, None, {})),
+    (torch.tensor([2.0]), (2.0, None, {})),
+    (3, (3, None, {})),
 ])
 def test_a_reward_files_answer_is_read_as_openrlhf_reads_it(answer, expected):
-    assert _openrlhf_rewards(answer, "r.py") == expected
+    """(reward, score or None, extra_logs) of one query."""
+    assert _openrlhf_answer(answer, "r.py") == expected
 
 
 @pytest.mark.parametrize("answer,expected", [
@@ -64,5 +66,5 @@ def test_a_reward_files_answer_is_read_as_openrlhf_reads_it(answer, expected):
 ])
 def test_a_reward_files_wrong_answer_names_the_file_and_the_answer(answer, expected):
     with pytest.raises(RewardError) as err:
-        _openrlhf_rewards(answer, "r.py")
+        _openrlhf_answer(answer, "r.py")
     assert str(err.value).startswith("--remote_rm_url r.py: reward_func") and expected in str(err.value)
