@@ -28,10 +28,10 @@ COMMON = ["--advantage_estimator", "gae", "--gamma", "0.9", "--lambd", "0.8", "-
           "--learning_rate", "1e-3", "--seed", "1", "--max_norm", "100", "--adam_epsilon", "1e-6", "--max_steps", "2",
           "--init_kl_coef", "0.05", "--target_kl", "0.001", "--kl_horizon", "32", "--reward_clip_range", "-1.5", "1.5",
           "--overlong_buffer_len", "4", "--overlong_penalty_factor", "0.5", "--rollout_backend", "hf",
-          "--launcher", "local",
           # A constant learning rate: the resume test stops its first run with --max_steps 1, and the default cosine
           # schedule is laid out over --max_steps, so the cut run's would not be the uninterrupted run's.
-          "--lr_scheduler", "constant", "--lr_warmup_ratio", "0"]
+          "--lr_scheduler", "constant", "--lr_warmup_ratio", "0",
+          "--launcher", "local"]  # last: test_reward_actors swaps it for Ray
 LAYOUTS = {
     "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "96", "--no_prefix_sharing"],
     "padded_8x1": ["--micro_train_batch_size", "1"],
