@@ -40,6 +40,7 @@ from openpack.rl.settings import rl_settings
 from openpack.rl.evaluation import BestPolicy, Evaluation, with_evaluation
 from openpack.rl.step import EmptySteps, RLLoop, RolloutBatch, rl_step, send_weights
 from openpack.trainers import demo, reference
+from openpack.trainers.batching import join_context
 from openpack.trainers.run import TrainingRun, start_worker
 from openpack.trainers.tracking import MetricLimit
 
@@ -129,6 +130,7 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
                            load_in_4bit=model_cfg.load_in_4bit,
                            aux_loss_coef=model_cfg.aux_loss_coef).to(dist.device)
     model = apply_lora(model, model_cfg)
+    context = join_context(cfg.train, model)  # --ring_attn_size: this rank's part of each training-side row
     cfg = with_row_cap(cfg, model, dist)
     train_cfg = cfg.train
     datasets = prompt_datasets(data_cfg, out_cfg, dist.is_main)
@@ -177,7 +179,7 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
         send_weights(sync, run.engine, dist)  # the starting weights (colocated: pushed at each wake)
     loop = RLLoop(run=run, pipeline=pipeline, rewards=rewards, scorers=scorers, settings=settings, prompts=prompts,
                   dist=dist, pad_token_id=tokenizer.pad_token_id or 0, sync=sync, critic=critic, kl_ctl=kl_ctl,
-                  colocation=colocation, empty_steps=empty)
+                  colocation=colocation, empty_steps=empty, context=context)
     step = functools.partial(rl_step, loop)
     evaluation = held_out_evaluation(cfg, generator, rewards, tokenizer, run) \
         if cfg.evaluation.eval_prompt_data else None
