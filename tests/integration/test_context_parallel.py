@@ -277,19 +277,31 @@ def test_pair_commands_ring_of_two_equal_one_rank(command, tmp_path, tiny_pretra
     assert any(int((row.cu_seqlens[1:] - row.cu_seqlens[:-1]).max()) > max(s.num_tokens for s in
                split_row(row.cu_seqlens, 2)) for row in rows)
 
-    if command == "train_dpo":  # another --ring_attn_size (1: unset) on the same 2 ranks
-        refused = _torchrun([*data, *RING_ZERO[command], "--save_path", str(ring), "--max_tokens_per_gpu", "96",
-                             "--load_checkpoint", "--max_steps", "3"], command)
-        assert refused.returncode != 0
-        assert "written with --ring_attn_size 2 and this run has --ring_attn_size 1" in refused.stderr, \
-            refused.stderr[-3000:]
+    if command == "train_dpo":
+        _refuses_a_resume_without_the_ring([*data, *RING_ZERO[command], "--save_path", str(ring),
+                                            "--max_tokens_per_gpu", "96"], command)
     else:  # from step 1's checkpoint, step 2 again: the same weights
-        (ring / "checkpoints" / "latest").write_text("global_step1")
-        shutil.rmtree(ring / "checkpoints" / "global_step2")
-        resumed = _torchrun([*ring_argv, "--load_checkpoint"], command)
-        assert resumed.returncode == 0, resumed.stderr[-4000:]
-        assert [m["step"] for m in read_metrics(ring)] == [1, 2]
+        _resume_from_step_1(ring, ring_argv, command)
         assert_same_run(ring, one)
+
+
+def _refuses_a_resume_without_the_ring(argv, command):
+    """A resume of a ring's run with --ring_attn_size unset (1) on the same 2 ranks: refused, naming both sizes."""
+    refused = _torchrun([*argv, "--load_checkpoint", "--max_steps", "3"], command)
+    assert refused.returncode != 0
+    assert "written with --ring_attn_size 2 and this run has --ring_attn_size 1" in refused.stderr, \
+        refused.stderr[-3000:]
+
+
+def _resume_from_step_1(ring, ring_argv, command):
+    """The ring's run of 2 steps resumed from step 1's checkpoint: step 2 trained again, logged once."""
+    from saved_runs import read_metrics
+
+    (ring / "checkpoints" / "latest").write_text("global_step1")
+    shutil.rmtree(ring / "checkpoints" / "global_step2")
+    resumed = _torchrun([*ring_argv, "--load_checkpoint"], command)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [m["step"] for m in read_metrics(ring)] == [1, 2]
 
 
 # test_train_ppo.py's and test_ppo_critic.py's two rollout batches of 4 prompts x 4 completions in steps of 8 over 2
@@ -304,7 +316,8 @@ RL_FLAGS = {
     # GSPO's sequence ratio (its paper's clip range), seq_mean_token_mean's lengths, a k3 KL loss (the reference
     # pass), an entropy bonus
     "train_grpo": ["--policy_loss_type", "gspo", "--loss_agg_mode", "seq_mean_token_mean", "--use_kl_loss",
-                   "--init_kl_coef", "0.05", "--kl_estimator", "k3", "--entropy_coef", "0.01", "--adam_epsilon", "1e-6"],
+                   "--init_kl_coef", "0.05", "--kl_estimator", "k3", "--entropy_coef", "0.01",
+                   "--adam_epsilon", "1e-6"],
     # a critic from the reward model (GAE, clipped values), the reward's KL penalty with an adaptive coefficient.
     # Adam's eps as test_ppo_critic.py's SHARING_EPS: the split row sums its attention in another order, and at eps
     # 1e-6 Adam turned that rounding in the critic's tiniest gradients (its grad norm is 100-400) into 1.3e-5 on one
@@ -368,18 +381,11 @@ def test_rl_commands_ring_of_two_equal_one_rank(command, tmp_path, request):
         assert_same_critic(ring, one)
     assert all(m["response_length/max"] == 16 for m in read_metrics(ring))  # whole completions: split over ranks
 
-    if command == "train_grpo":  # another --ring_attn_size (1: unset) on the same 2 ranks
-        refused = _torchrun([*data, "--save_path", str(ring), "--max_tokens_per_gpu", "96", "--no_prefix_sharing",
-                             "--load_checkpoint", "--max_steps", "3"], command)
-        assert refused.returncode != 0
-        assert "written with --ring_attn_size 2 and this run has --ring_attn_size 1" in refused.stderr, \
-            refused.stderr[-3000:]
+    if command == "train_grpo":
+        _refuses_a_resume_without_the_ring([*data, "--save_path", str(ring), "--max_tokens_per_gpu", "96",
+                                            "--no_prefix_sharing"], command)
     else:  # from step 1's checkpoint, step 2 again: the same weights, the critic's too
-        (ring / "checkpoints" / "latest").write_text("global_step1")
-        shutil.rmtree(ring / "checkpoints" / "global_step2")
-        resumed = _torchrun([*ring_argv, "--load_checkpoint"], command)
-        assert resumed.returncode == 0, resumed.stderr[-4000:]
-        assert [m["step"] for m in read_metrics(ring)] == [1, 2]
+        _resume_from_step_1(ring, ring_argv, command)
         assert_same_run(ring, one)
         assert_same_critic(ring, one)
 
