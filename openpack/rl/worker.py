@@ -243,16 +243,17 @@ def agent_generator(cfg, generator: Generator, tokenizer):
 
 def with_row_cap(cfg, model, dist):
     """``cfg`` with ``--max_tokens_per_gpu`` set where it was left unset: rank 0's ``default_row_cap`` for the
-    policy (every rank plans with it), logged once. Also without dynamic batches: the scoring passes (reference,
+    policy (every rank plans with it; under --ring_attn_size N for a rank's 1/N of a row), logged once. Also without dynamic batches: the scoring passes (reference,
     old policy, critic values, reward models) pack their rows under it."""
     train_cfg = cfg.train
     if train_cfg.max_tokens_per_gpu is not None:
         return cfg
     from openpack.distributed.process import broadcast_object
     from openpack.rl.agents.setup import episode_budget
-    from openpack.trainers.batching import default_row_cap
+    from openpack.trainers.batching import context_parallel_size, default_row_cap
 
-    longest = episode_budget(cfg)
+    ring = context_parallel_size(train_cfg)
+    longest = -(-episode_budget(cfg) // ring)  # a rank's share of the longest sample: N ranks share a row
     cap, why = broadcast_object(default_row_cap(model, cfg.model, dist, longest) if dist.is_main else None)
     if dist.is_main:
         logger.info("--max_tokens_per_gpu not given: packed rows of at most %d tokens (%s; pass "
