@@ -29,7 +29,10 @@ Sections, in the order they run (by value), each recorded whatever the others di
    151936 (``benchmarks/fused_loss.py --head_only``);
 7. RL ``--prefix_sharing``: one training-side pass over a long-prompt rollout batch (16 prompts of 384 tokens x 8
    completions of 16-64), shared vs unshared, on the 0.5B shape in bf16 (``benchmarks/rl_prefix_sharing.py``);
-8. DPO tokens/s of openpack's packed step without DeepSpeed vs TRL's DPOTrainer, in-process.
+8. DPO tokens/s of openpack's packed step without DeepSpeed vs TRL's DPOTrainer, in-process;
+9. ``--ring_attn_size``'s split code path on the one GPU (``benchmarks/context_parallel.py``): a split row's
+   log-probs and gradients against the whole row as a single-rank group (NCCL) and as 2 ranks sharing the GPU
+   (gloo), the first run of flash-attn's / torch varlen's bottom-right call; then one long row's memory per rank.
 
 Only three files come back (the device returns at most 8): ``verification_block.md``, ``runbook.log`` (every
 command's output, each line stamped with the seconds since its command started) and ``results.json``. No section
@@ -58,6 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import context_parallel as cp_bench  # noqa: E402  (benchmarks/)
 import gpu_full_trainer as ft  # noqa: E402  (beside this file)
 
 GRACE_S = 40.0  # a command still running this long after --budget_s is stopped
@@ -457,6 +461,66 @@ def rl_prefix_sharing(book: Runbook) -> list[str]:
         f"`{' '.join(argv[1:])}` exit {code}: no table (see runbook.log)."]
 
 
+def context_parallel(book: Runbook) -> list[str]:
+    """``--ring_attn_size``'s split code path on this one device (``benchmarks/context_parallel.py``), since the
+    session has one GPU: first ``--check``, a packed row with documents straddling the split, one longer than a
+    rank's share and one starting on rank 1, each rank's part against the whole row in the same process, through
+    the split code path as a single-rank group (NCCL; its pieces are whole documents, so the queries and keys of a
+    call coincide) and as 2 ranks sharing the GPU (gloo, which takes CUDA tensors: NCCL refuses two ranks on one
+    device), where a piece's queries are the last of its keys, the bottom-right call of flash-attn and torch varlen
+    that has never run; then one long row, 1 rank against 2, for each rank's peak memory."""
+    work = Path(tempfile.mkdtemp(prefix="openpack_context_parallel_"))
+    device = ["--device", "cpu", "--dtype", "float32"] if book.dry_run else ["--device", "cuda", "--dtype", "bfloat16"]
+    lengths = "1024" if book.dry_run else "32768,131072"
+    small = ["--vocab", "512", "--hidden", "128", "--layers", "2", "--intermediate", "256"] if book.dry_run else []
+    scale = 4 if book.dry_run else 64
+    script = [sys.executable, "benchmarks/context_parallel.py", *device, *small, "--markdown", "none"]
+    documents = ", ".join(str(n * scale) for n in cp_bench.CHECK_LENGTHS)
+    lines = []
+    try:
+        argv = [*script, "--check", "--check_scale", str(scale), "--out", str(work / "check")]
+        code, _ = book.command("context_parallel --check", argv, 240)
+        results = json.loads((work / "check" / "results.json").read_text())["check"] if code == 0 else {}
+        book.results["context_parallel_check"] = {"exit": code, **results}
+        lines += [f"`{' '.join(argv[1:-2])}` (exit {code}): a row of documents of {documents} tokens, log-probs "
+                  "and summed gradients of the split row against the whole row on the same backend.", "",
+                  "| arm | tokens per rank | max log-prob error | max gradient error (largest gradient) "
+                  "| whole row in this dtype vs fp32 SDPA | verdict |", "|---|---|---:|---:|---:|---|"]
+        for name, r in results.items():
+            if "logprob_error" not in r:
+                lines.append(f"| {name} | exit {r['exit']} ({r['log']}) | | | | failed |")
+                continue
+            rounding = f"{r['rounding_logprob_error']:.2e}" if "rounding_logprob_error" in r else "— (fp32)"
+            lines.append(f"| {name} | {r['held']} | {r['logprob_error']:.2e} | {r['grad_error']:.2e} "
+                         f"({r['grad_scale']:.2e}) | {rounding} | {split_verdict(r)} |")
+        argv = [*script, "--lengths", lengths, "--cap_mb", "0", "--no_balance", "--out", str(work / "memory")]
+        code, _ = book.command("context_parallel memory", argv, 300)
+        runs = json.loads((work / "memory" / "results.json").read_text())["runs"] if code == 0 else []
+        book.results["context_parallel_memory"] = {"exit": code, "runs": [
+            {k: r[k] for k in ("arm", "length", "step_mb", "peak_mb", "baseline_mb", "step_s", "loss", "grad_norm")}
+            for r in runs]}
+        lines += ["", f"One row of one document, a training step (`{' '.join(argv[1:-2])}`, exit {code}): step "
+                  "memory per rank is its peak during the step above what it held before (torch's allocated memory on "
+                  "a GPU). The 2 ranks share one device and send K/V through host memory (gloo), so their time is "
+                  "not a measure of anything.", "",
+                  "| row (tokens) | arm | step memory per rank (MiB) | baseline (MiB) | step (s) | loss, grad norm |",
+                  "|---:|---|---:|---:|---:|---|"]
+        lines += [f"| {r['length']} | {r['arm']} | {r['step_mb']:.0f} | {r['baseline_mb']:.0f} | {r['step_s']:.2f} | "
+                  f"{r['loss']:.5f}, {r['grad_norm']:.5f} |" for r in runs]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return lines
+
+
+def split_verdict(result: dict) -> str:
+    """fp32: exact to 1e-5; bf16: the split row no further from the whole row than twice bf16's own rounding
+    (the whole row in bf16 against fp32 SDPA), since the kernels see other block shapes."""
+    rounding = result.get("rounding_logprob_error")
+    if rounding is None:
+        return "exact (< 1e-5)" if result["logprob_error"] < 1e-5 and result["grad_error"] < 1e-5 else "DIFFERS"
+    return "within bf16 rounding" if result["logprob_error"] <= 2 * rounding else "DIFFERS"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runbook_out")),
@@ -508,6 +572,7 @@ def main(argv=None) -> int:
         "fused_loss": lambda: fused_loss(book),
         "rl_prefix_sharing": lambda: rl_prefix_sharing(book),
         "dpo_vs_trl": lambda: dpo_vs_trl(book, *trl_settings),
+        "context_parallel": lambda: context_parallel(book),
     }
     for name in SECTIONS:
         if name in args.sections:
@@ -531,6 +596,7 @@ SECTIONS = {
     "fused_loss": "Fused LM head + loss vs chunked (benchmarks/fused_loss.py --head_only)",
     "rl_prefix_sharing": "RL prefix sharing: one training-side pass (benchmarks/rl_prefix_sharing.py)",
     "dpo_vs_trl": "DPO tokens/s: openpack's kernels vs TRL (without DeepSpeed)",
+    "context_parallel": "Context parallelism on one GPU: the split code path vs the whole row (--ring_attn_size)",
 }
 
 

@@ -43,7 +43,9 @@ The keys and values of the whole row are all-gathered from the context group
 document's keys from position 0 (or the window before it) up to its own last
 token: the cross call above, causal aligned to the bottom-right corner, so a
 piece that continues a document held by another rank sees exactly that
-document's earlier tokens. Tested on CPU (SDPA, gloo) only.
+document's earlier tokens. Tested on CPU (SDPA, gloo) only; there a piece
+needs no [queries, keys] mask (``_PrefixThenCausal``), so a rank's memory
+stays O(its tokens + the row's K/V), as on the varlen kernels.
 
 Boundaries are never guessed from ``position_ids``. A packed forward with a KV
 cache is refused: transformers' own packed-sequence detection switches off
@@ -301,18 +303,72 @@ def _sdpa_cross(q, k, v, cu_q, cu_k, _max_q, _max_k, scale, dropout, window, gro
             k_index = k_starts[same][:, None] + torch.arange(keys, device=q.device)  # [n, keys]
             qs = q[q_index].transpose(1, 2)  # [n, H, queries, D]
             ks, vs = (x[k_index].transpose(1, 2) for x in (k, v))
-        mask = _bottom_right_mask(queries, keys, window, q.device)
-        if softcap is not None:  # SDPA has no softcap
-            attended = _softcapped_attention(qs, ks, vs, mask, scale, dropout, softcap)
+        if _maskless_cross(qs, keys, window, dropout, softcap):
+            attended = _bottom_right_causal(qs, ks, vs, scale, groups)
         else:
-            attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                                      enable_gqa=groups > 1)
+            mask = _bottom_right_mask(queries, keys, window, q.device)
+            if softcap is not None:  # SDPA has no softcap
+                attended = _softcapped_attention(qs, ks, vs, mask, scale, dropout, softcap)
+            else:
+                attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout,
+                                                          scale=scale, enable_gqa=groups > 1)
         outputs.append(attended.transpose(1, 2).reshape(-1, *attended.shape[1:2], attended.shape[-1]))
         order.append(q_index.reshape(-1))
     order = torch.cat(order)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=q.device)
     return torch.cat(outputs).index_select(0, inverse)
+
+
+def _maskless_cross(qs: torch.Tensor, keys: int, window: int | None, dropout: float, softcap) -> bool:
+    """Whether ``_sdpa_cross`` can attend bottom-right causal without a [queries, keys] mask: on CPU, with no
+    window shorter than the keys, no dropout and no softcap (``_bottom_right_causal``)."""
+    return (qs.device.type == "cpu" and not dropout and softcap is None and (not window or window >= keys)
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
+
+
+def _bottom_right_causal(qs, ks, vs, scale, groups):
+    """Causal attention of queries [n, Hq, Q, D], the last Q of keys [n, Hkv, K, D], aligned bottom-right, without
+    a mask: one causal SDPA call when Q == K, else ``_PrefixThenCausal``."""
+    if qs.shape[-2] == ks.shape[-2]:
+        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    return _PrefixThenCausal.apply(qs, ks, vs, scale)
+
+
+class _PrefixThenCausal(torch.autograd.Function):
+    """CPU bottom-right causal attention with O(K) memory: the queries over the P = K - Q keys before them (all
+    visible, no mask), then over their own Q keys (causal, square), the two merged by their log-sum-exps; in the
+    backward each part's gradients from the merged output and log-sum-exp, as ring attention merges its blocks.
+
+    SDPA with the explicit [Q, K] mask (what this replaces) held about 13 bytes per mask element from the forward to
+    the backward on CPU (torch 2.13: a 4096 x 4096 mask, 218 MiB), so a rank of a context group holding the middle
+    of a 16k-token document kept 1.3 GB per layer, more than the whole unsplit row's activations. torch's CPU flash
+    kernel (``_scaled_dot_product_flash_attention_for_cpu``, what SDPA itself dispatches to on CPU) returns the
+    log-sum-exp and takes grouped KV heads as they are.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        prefix = k.shape[-2] - q.shape[-2]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        seen, seen_lse = flash(q, k[..., :prefix, :], v[..., :prefix, :], 0.0, False, scale=scale)
+        own, own_lse = flash(q, k[..., prefix:, :], v[..., prefix:, :], 0.0, True, scale=scale)
+        lse = torch.logaddexp(seen_lse, own_lse)
+        out = seen * (seen_lse - lse).exp()[..., None] + own * (own_lse - lse).exp()[..., None]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.prefix = scale, prefix
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad, prefix = grad.contiguous(), ctx.prefix
+        dq_seen, dk_seen, dv_seen = backward(grad, q, k[..., :prefix, :], v[..., :prefix, :], out, lse, 0.0, False,
+                                             scale=ctx.scale)
+        dq_own, dk_own, dv_own = backward(grad, q, k[..., prefix:, :], v[..., prefix:, :], out, lse, 0.0, True,
+                                          scale=ctx.scale)
+        return dq_seen + dq_own, torch.cat([dk_seen, dk_own], -2), torch.cat([dv_seen, dv_own], -2), None
 
 
 def _sdpa_grouped_cross(q, k, v, shared, scale, dropout, window, groups, softcap=None):

@@ -82,7 +82,7 @@ def _tokenize(rows, tokenizer, data_cfg, skip_bad_samples: bool, warn: bool = Tr
     return tokenize_sft(rows, tokenizer, data_cfg.input_key, data_cfg.output_key, data_cfg.apply_chat_template,
                         data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples,
                         messages_key=data_cfg.messages_key, conversation_loss=data_cfg.conversation_loss,
-                        input_template=data_cfg.input_template, warn=warn)
+                        input_template=data_cfg.prompt_template(), warn=warn)
 
 
 def _segments(sample: SFTSample, index: int) -> list[Segment]:

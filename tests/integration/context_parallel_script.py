@@ -45,12 +45,19 @@ CASES = {
     "llama_gqa_8_over_2": ("llama", dict(num_attention_heads=8, num_key_value_heads=2), None, False),
     "gemma2_softcap": ("gemma2", {}, None, False),
     "llama_dynamic_rope": ("llama_dynamic_rope", {}, None, False),
+    # --gradient_checkpointing: each layer's forward, its K/V all-gather included, runs again in the backward
+    "llama_gradient_checkpointing": ("llama", dict(gradient_checkpointing=True), None, False),
     "llama_boundaries_ignored": ("llama", {}, None, True),
 }
 
 
 def run_case(arch, overrides, window, ignore_boundaries, rank, world):
+    overrides = dict(overrides)
+    checkpointed = overrides.pop("gradient_checkpointing", False)
     model = tiny_causal_lm(arch, seed=0, **overrides)
+    if checkpointed:  # as models.loading turns it on
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     packed = PackedCausalLM(model)
     params = [p for p in model.parameters() if p.requires_grad]
     batch = collate_packed(random_segments(LENGTHS, model.config.vocab_size, seed=7))

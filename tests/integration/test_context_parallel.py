@@ -4,7 +4,8 @@ Two processes (``context_parallel_script.py``) each run their part of the row th
 values all-gathered in every layer (``models.context_parallel``); log-probs and the two ranks' parameter gradients
 are summed and compared with one unsplit forward and backward. Cases: Llama (4 query heads over 2 KV heads), Llama
 with 8 over 2, Qwen2 with an 8-token window on one layer, Gemma-2 (attention and final logit softcaps, a window on
-alternating layers), Llama with dynamic NTK rope (frequencies from each document's whole length). The guard case
+alternating layers), Llama with dynamic NTK rope (frequencies from each document's whole length), Llama with gradient
+checkpointing (each layer's K/V all-gather runs again in the backward). The guard case
 splits the row as one document (attention over every gathered key before a token): it must fail.
 
 The pair losses on a row of three pairs: DPO's (policy and reference log-prob sums summed over the group before
@@ -36,7 +37,7 @@ from openpack.core.context_parallel import split_row
 from openpack.distributed.process import free_port
 
 from context_parallel_script import CASES, LENGTHS, PAIR_LENGTHS, PROMPT_LENGTHS
-from saved_runs import write_pairs
+from saved_runs import BARE_PROMPTS, write_pairs
 
 SCRIPT = Path(__file__).with_name("context_parallel_script.py")
 
@@ -134,7 +135,7 @@ def _sft(save_path, pretrain, dataset, *flags):
 # test_train_sft.py's two steps of 8 samples, packed into rows of up to 128 tokens per rank
 SFT_COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
               "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100", "--launcher",
-              "local", "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128"]
+              "local", "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128", *BARE_PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -396,6 +397,8 @@ def test_rl_commands_ring_of_two_equal_one_rank(command, tmp_path, request):
      "--ring_attn_size 2 needs --packing_samples"),
     ("train_grpo", [*TWO_RANKS, "--prefix_sharing"], "--prefix_sharing is not split over ranks: --ring_attn_size 2"),
     ("train_ppo", [*TWO_RANKS, "--ref_num_nodes", "1"], "--ref_num_nodes with --ring_attn_size 2"),
+    ("train_grpo", [*TWO_RANKS, "--teacher_num_nodes", "1", "--teacher_pretrain", "unused_teacher"],
+     "--teacher_num_nodes with --ring_attn_size 2"),
     ("train_grpo", [*TWO_RANKS, "--max_tokens_per_gpu", "40", "--prompt_max_len", "64", "--generate_max_len", "32"],
      "can be 96 tokens (--prompt_max_len + --generate_max_len), more than --max_tokens_per_gpu 40 x --ring_attn_size "
      "2 (a row's tokens)"),

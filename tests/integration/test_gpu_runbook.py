@@ -104,6 +104,29 @@ def test_the_wheels_script_fetches_what_the_gpu_machine_lacks_within_the_size_li
     assert "together" in run.stdout and "limit 60 MiB" in run.stdout
 
 
+def test_the_context_parallel_section_checks_the_split_code_path(tmp_path):
+    """``--sections context_parallel``'s dry run: benchmarks/context_parallel.py --check on CPU (fp32, SDPA, gloo), a
+    split row's log-probs and gradients equal to the whole row's as a single-rank group and as 2 ranks, then one
+    row's memory per rank on 1 and 2 ranks, the same step-1 loss on both (about 3 minutes on a busy 2-core machine)."""
+    run = subprocess.run([sys.executable, "examples/gpu_runbook.py", "--dry-run", "--out", str(tmp_path), "--sections",
+                          "context_parallel"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    check = results["context_parallel_check"]
+    assert check["exit"] == 0
+    assert check["split, 1 rank"]["held"] == [check["split, 1 rank"]["tokens"]]
+    assert len(check["split, 2 ranks"]["held"]) == 2 and sum(check["split, 2 ranks"]["held"]) == 256
+    for arm in ("split, 1 rank", "split, 2 ranks"):
+        assert check[arm]["logprob_error"] < 1e-5 and check[arm]["grad_error"] < 1e-5, check[arm]
+    runs = results["context_parallel_memory"]["runs"]
+    assert [(r["length"], r["arm"]) for r in runs] == [(1024, "1 rank"), (1024, "ring 2")]
+    assert all(r["step_mb"] > 0 for r in runs)
+    one, two = runs
+    assert abs(one["loss"] - two["loss"]) < 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) < 1e-4
+    block = (tmp_path / "verification_block.md").read_text()
+    assert block.count("exact (< 1e-5)") == 2 and "DIFFERS" not in block and "Failed" not in block
+
+
 def test_commands_run_in_the_order_named_and_ppo_brings_its_reward_model():
     """``--commands`` reruns what a budget cut; PPO needs train_rm's model, so ``rm`` runs just before it."""
     work = Path("/nonexistent")

@@ -3,13 +3,14 @@
 import json
 
 import pytest
+from saved_runs import BARE_PROMPTS
 
 from openpack.cli import train_sft
 
 
 def run(tmp_path, pretrain, dataset, *flags):
     return train_sft.main(["--pretrain", pretrain, "--dataset", str(dataset), "--save_path", str(tmp_path / "out"),
-                           "--train_batch_size", "2", "--max_steps", "1", "--launcher", "local", *flags])
+                           "--train_batch_size", "2", "--max_steps", "1", "--launcher", "local", *BARE_PROMPTS, *flags])  # lengths set for bare prompts
 
 
 def write(path, lines):

@@ -172,7 +172,7 @@ def test_a_vllm_run_prints_only_what_a_user_acts_on(vllm_run):
 @pytest.mark.parametrize("flags, message", [
     (["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "1"], "--n_samples_per_prompt >= 2"),
     (["--train_batch_size", "5"], "does not split into steps of --train_batch_size"),
-    (["--use_kl_loss"], "--use_kl_loss with --init_kl_coef 0"),
+    (["--use_kl_loss", "--init_kl_coef", "0"], "--use_kl_loss with --init_kl_coef 0"),
     (["--rollout_backend", "hf", "--vllm_is_correction_cap", "2"], "drop it"),
     (["--rollout_backend", "hf", "--zero_stage", "3", "--launcher", "ray", "--num_gpus_per_node", "2"],
      "use --rollout_backend vllm, or --zero_stage 2"),

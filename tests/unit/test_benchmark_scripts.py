@@ -249,3 +249,61 @@ def test_rl_async_passes_flags_after_the_separator_to_both_arms():
     args = rl_async.parse_args(["--steps", "2", "--", "--generate_max_len", "32", "--temperature", "2.0"])
     assert args.steps == 2 and args.extra == ["--generate_max_len", "32", "--temperature", "2.0"]
     assert rl_async.parse_args([]).extra == []
+
+
+@pytest.mark.slow
+def test_context_parallel_smoke(tmp_path):
+    """benchmarks/context_parallel.py --smoke (a tiny model, a row of 256 tokens): both arms train the same step
+    (loss and grad norm), each rank reports its memory, and a cap of 1 MiB stops every probe at start-up through
+    the watchdog (the other rank, waiting on a collective, is ended too): nothing fits. About 2 minutes on a busy
+    2-core machine, nearly all of it 6 runs' start-up (each rank a fresh process)."""
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## Kept section\n\nuntouched\n")
+    cmd = [sys.executable, str(BENCHMARKS / "context_parallel.py"), "--smoke", "--cap_mb", "1", "--out",
+           str(tmp_path / "work"), "--markdown", str(doc)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((tmp_path / "work" / "results.json").read_text())
+    runs = {(r["length"], r["arm"]): r for r in results["runs"]}
+    assert set(runs) == {(256, "1 rank"), (256, "ring 2")}
+    one, two = runs[256, "1 rank"], runs[256, "ring 2"]
+    assert abs(one["loss"] - two["loss"]) < 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) < 1e-4
+    assert len(one["memory"]) == 1 and len(two["memory"]) == 2
+    assert all(r["step_mb"] >= 0 and r["peak_mb"] > r["baseline_mb"] > 0 for r in one["memory"] + two["memory"])
+    for arm in ("1 rank", "ring 2"):
+        assert results["cap"][arm]["longest"] == 0 and results["cap"][arm]["probes"] == [
+            {"length": 128, "fits": False, "peak_mb": None}]
+    assert max(r["worst"] for r in results["balance"]) < 1.1  # the zigzag's balance, issue 40's target
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\n## Kept section\n\nuntouched\n")
+    assert "<!-- context_parallel:begin -->" in text and "nothing fits on 1 rank" in text
+    assert (tmp_path / "img" / "context_parallel.png").stat().st_size > 0
+    again = tmp_path / "again.md"  # --render: the same section from results.json alone, nothing measured
+    rendered = subprocess.run([sys.executable, str(BENCHMARKS / "context_parallel.py"), "--render",
+                               str(tmp_path / "work" / "results.json"), "--markdown", str(again)],
+                              capture_output=True, text=True, timeout=HANG_S, check=False)
+    assert rendered.returncode == 0, rendered.stderr[-3000:]
+    section = text[text.index("<!-- context_parallel:begin -->"):]
+    assert again.read_text().endswith(section)
+
+
+def test_context_parallel_bisection_finds_the_longest_length_that_fits():
+    """benchmarks/context_parallel.py's search: from the sweep's known points, or doubling when all fit, to the
+    longest multiple of the step under the cap, probing only lengths not yet known."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import context_parallel
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    probed = []
+
+    def fits(length):
+        probed.append(length)
+        return length <= 5000
+
+    assert context_parallel.bisect_longest(fits, {4096: True, 8192: False}, 256) == (4864, 5120)
+    assert probed == [6144, 5120, 4608, 4864]
+    probed.clear()
+    assert context_parallel.bisect_longest(fits, {}, 1024) == (4096, 5120)
+    assert probed == [1024, 2048, 4096, 8192, 6144, 5120]
+    assert context_parallel.bisect_longest(lambda length: False, {256: False}, 128) == (0, 128)  # nothing fits
