@@ -312,17 +312,18 @@ def _resume_from_step_1(ring, ring_argv, command):
 RL_COMMON = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "8", "--max_epochs", "2",
              "--generate_max_len", "16", "--prompt_max_len", "32", "--learning_rate", "1e-3", "--seed", "1",
              "--max_norm", "100", "--max_steps", "2", "--rollout_backend", "hf", "--packing_samples",
-             "--use_dynamic_batch"]
+             "--use_dynamic_batch", "--lr_scheduler", "constant", "--lr_warmup_ratio", "0"]
 RL_FLAGS = {
     # GSPO's sequence ratio (its paper's clip range), seq_mean_token_mean's lengths, a k3 KL loss (the reference
     # pass), an entropy bonus
     "train_grpo": ["--policy_loss_type", "gspo", "--loss_agg_mode", "seq_mean_token_mean", "--use_kl_loss",
                    "--init_kl_coef", "0.05", "--kl_estimator", "k3", "--entropy_coef", "0.01",
                    "--adam_epsilon", "1e-6"],
-    # a critic from the reward model (GAE, clipped values), the reward's KL penalty with an adaptive coefficient.
-    # Adam's eps as test_ppo_critic.py's SHARING_EPS: the split row sums its attention in another order, and at eps
-    # 1e-6 Adam turned that rounding in the critic's tiniest gradients (its grad norm is 100-400) into 1.3e-5 on one
-    # critic weight after two rollout batches (the policy's weights: 3e-7; every logged metric to 1e-5)
+    # a critic (GAE, clipped values) from the policy's weights with a new value head, the reward's KL penalty with an
+    # adaptive coefficient. Not from the reward model: its head is scaled x20 (conftest), which turned the split
+    # row's other summation order into values 1.2e-5 apart by the second rollout batch. Adam's eps as
+    # test_ppo_critic.py's SHARING_EPS: at 1e-6 Adam turned that rounding in the critic's tiniest gradients into
+    # 1.3e-5 on one critic weight (the policy's weights: 3e-7)
     "train_ppo": ["--advantage_estimator", "gae", "--gamma", "0.9", "--lambd", "0.8", "--value_clip", "0.2",
                   "--critic_learning_rate", "5e-3", "--init_kl_coef", "0.05", "--target_kl", "0.001",
                   "--kl_horizon", "32", "--adam_epsilon", "1e-4"],
@@ -330,13 +331,14 @@ RL_FLAGS = {
 
 
 def _rl_data(command, request):
-    """The model, prompts and reward of ``command``'s run: GRPO a rule reward, PPO a reward model (conftest)."""
+    """The model, prompts and reward of ``command``'s run: GRPO a rule reward, PPO a reward model (conftest) and a
+    critic from the policy."""
     if command == "train_grpo":
         root = request.getfixturevalue("rl_model")
         reward = ["--reward_fn", f"{root / 'reward.py'}:reward"]
     else:
         root = request.getfixturevalue("ppo_models")
-        reward = ["--reward_pretrain", str(root / "rm")]
+        reward = ["--reward_pretrain", str(root / "rm"), "--critic_pretrain", str(root / "model")]
     return ["--pretrain", str(root / "model"), "--prompt_data", str(root / "prompts.jsonl"), *reward, *RL_COMMON,
             *RL_FLAGS[command]]
 
@@ -361,8 +363,8 @@ def test_rl_rows_straddle_the_split():
 def test_rl_commands_ring_of_two_equal_one_rank(command, tmp_path, request):
     """``--ring_attn_size 2`` on 2 ranks (rows of up to 2 x 48 tokens) gives one rank's losses, grad norms and
     weights (rows of up to 96): GRPO with GSPO, seq_mean_token_mean and a KL loss (policy, old-policy and reference
-    passes split), PPO with a critic (its values scored split and gathered for GAE, its update split) and the
-    reward's adaptive KL penalty. Generation (each rank its share of the prompts) and rewards see whole sequences.
+    passes split), PPO with a critic (its values scored split and gathered for GAE, its update split; its metrics
+    and weights compared too) and the reward's adaptive KL penalty. Generation (each rank its share of the prompts) and rewards see whole sequences.
     Then the checkpoint: GRPO refuses a resume without the ring, PPO resumes exactly at step 1, critic included."""
     import importlib
 
