@@ -364,8 +364,9 @@ def test_rl_commands_ring_of_two_equal_one_rank(command, tmp_path, request):
     """``--ring_attn_size 2`` on 2 ranks (rows of up to 2 x 48 tokens) gives one rank's losses, grad norms and
     weights (rows of up to 96): GRPO with GSPO, seq_mean_token_mean and a KL loss (policy, old-policy and reference
     passes split), PPO with a critic (its values scored split and gathered for GAE, its update split; its metrics
-    and weights compared too) and the reward's adaptive KL penalty. Generation (each rank its share of the prompts) and rewards see whole sequences.
-    Then the checkpoint: GRPO refuses a resume without the ring, PPO resumes exactly at step 1, critic included."""
+    and weights compared too) and the reward's adaptive KL penalty. Generation (each rank its share of the prompts)
+    and rewards see whole sequences. Then the checkpoint: GRPO refuses a resume without the ring, PPO resumes
+    exactly at step 1, critic included."""
     import importlib
 
     from saved_runs import assert_same_critic, assert_same_run, read_metrics
