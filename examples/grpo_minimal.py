@@ -48,7 +48,7 @@ from openpack.core.advantages import sequence_advantages
 from openpack.core.batch import PackedBatch, Segment, collate_packed
 from openpack.core.logprobs import token_logprobs
 from openpack.core.packing import shuffled_epoch
-from openpack.core.rl_losses import LOSS_AGG_MODES, PolicyLossParams, policy_terms, token_weights
+from openpack.core.rl_losses import LOSS_AGG_MODES, Completions, PolicyLossParams, policy_terms, token_weights
 from openpack.core.schedule import Batching, plan_run, plan_scoring
 from openpack.data.demo_task import demo_samples
 from openpack.models.loading import load_causal_lm, load_tokenizer
@@ -188,8 +188,8 @@ def update(model, optimizer, rollouts: Rollouts, advantages: list[torch.Tensor],
             old_logp = logp.detach() if old is None else torch.cat([old[k] for k in ids]).to(logp.device)
             terms = policy_terms(logp, old_logp, torch.cat([advantages[k] for k in ids]).to(logp.device), params)
             segment_ids = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([lengths[k] for k in ids]))
-            weights = token_weights(segment_ids.to(logp.device), s.loss_agg_mode, opt_step.label_tokens[0],
-                                    opt_step.samples, s.generate_max_len)
+            weights = token_weights(Completions.of(segment_ids.to(logp.device)), s.loss_agg_mode,
+                                    opt_step.label_tokens[0], opt_step.samples, s.generate_max_len)
             loss = (terms.loss * weights).sum()
             loss.backward()
             loss_sum, clipped = loss_sum + loss.item(), clipped + int(terms.clipped.sum())

@@ -22,7 +22,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from openpack.config.schema import ConfigError, RunConfig, arg
-from openpack.config.sections import LaunchConfig, ModelConfig, OutputConfig, TrainConfig, check_template_flags
+from openpack.config.sections import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, check_template_flags,
+                                      ring_attn_size_arg)
 from openpack.core.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from openpack.core.rl_losses import IS_CORRECTIONS, LOSS_AGG_MODES, POLICY_LOSSES
 from openpack.rl.agents import setup as agent_setup
@@ -73,7 +74,9 @@ class RLTrainConfig(TrainConfig):
                                       "prompt computed once; the steps train the same completions as without it "
                                       "(docs/rl.md, Prefix sharing)",
                                       special={None: "on under --packing_samples --use_dynamic_batch, unless the "
-                                                     "policy's rope frequencies depend on length; off otherwise"})
+                                                     "policy's rope frequencies depend on length or --ring_attn_size "
+                                                     "splits rows; off otherwise"})
+    ring_attn_size: int | None = ring_attn_size_arg()
 
 
 @dataclass

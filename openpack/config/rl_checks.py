@@ -11,7 +11,8 @@ from pathlib import Path
 
 from openpack.config.rl import PPORunConfig
 from openpack.config.schema import ConfigError
-from openpack.config.sections import check_batch_split, check_demo_pairing, check_inputs, planned_world_size
+from openpack.config.sections import (check_batch_split, check_context_parallel, check_demo_pairing, check_inputs,
+                                      packed_row_tokens, planned_world_size)
 from openpack.orchestration.launch import launched_by_environment
 from openpack.rl.agents.setup import agent_environment, episode_budget
 
@@ -37,13 +38,14 @@ def check_rl_run(cfg: PPORunConfig) -> PPORunConfig:
 
 
 def with_prefix_sharing(cfg: PPORunConfig) -> PPORunConfig:
-    """``--prefix_sharing`` unset: on where it is exact and possible, under --packing_samples --use_dynamic_batch
-    and for a policy whose rope frequencies do not depend on a sequence's length (``models.rope``). The saved
-    ``config.yaml`` holds the choice, so a resume makes the same one."""
+    """``--prefix_sharing`` unset: on where it is exact and possible, under --packing_samples --use_dynamic_batch,
+    without --ring_attn_size (a split row cannot share a prompt) and for a policy whose rope frequencies do not
+    depend on a sequence's length (``models.rope``). The saved ``config.yaml`` holds the choice, so a resume makes
+    the same one."""
     train = cfg.train
     if train.prefix_sharing is not None:
         return cfg
-    shared = train.packing_samples and train.use_dynamic_batch
+    shared = train.packing_samples and train.use_dynamic_batch and (train.ring_attn_size or 1) == 1
     if shared and cfg.model.pretrain is not None:
         from openpack.models.loading import load_model_config
         from openpack.models.rope import length_dependent_rope
@@ -70,13 +72,15 @@ def check_rl(cfg: PPORunConfig) -> None:
                           "add --packing_samples --use_dynamic_batch, or drop --prefix_sharing")
     check_batch_split(train_cfg, launch_cfg)
     check_shared_budget(cfg)
+    check_context_parallel(train_cfg, launch_cfg)
+    check_rl_context_parallel(cfg)
     longest = episode_budget(cfg)
     if train_cfg.packing_samples and train_cfg.use_dynamic_batch and train_cfg.max_tokens_per_gpu is not None \
-            and longest > train_cfg.max_tokens_per_gpu:
+            and longest > packed_row_tokens(train_cfg)[0]:
         what = ("an episode can be {} tokens (--max_episode_tokens)" if cfg.agent.max_episode_tokens else
                 "a prompt and its completion can be {} tokens (--max_len)" if longest == rollout_cfg.max_len else
                 "a prompt and its completion can be {} tokens (--prompt_max_len + --generate_max_len)")
-        raise ConfigError(f"{what.format(longest)}, more than --max_tokens_per_gpu {train_cfg.max_tokens_per_gpu}; "
+        raise ConfigError(f"{what.format(longest)}, more than {packed_row_tokens(train_cfg)[1]}; "
                           "raise it or lower those")
     check_demo_pairing(model_cfg.pretrain, data_cfg.prompt_data, "--prompt_data")
     check_rollout_backend(cfg)
@@ -93,6 +97,33 @@ def check_rl(cfg: PPORunConfig) -> None:
     check_reward_files(rl_cfg)
     check_distillation(cfg)
     check_evaluation(cfg)
+
+
+def check_rl_context_parallel(cfg: PPORunConfig) -> None:
+    """What the training-side passes cannot split over a context group (--ring_attn_size), refused by name.
+    Generation and rewards see whole sequences whatever the ring; everything per completion is totalled over the
+    group (docs/rl.md, Context parallelism)."""
+    ring = cfg.train.ring_attn_size or 1
+    if ring == 1:
+        return
+    if cfg.train.prefix_sharing:
+        raise ConfigError(f"--prefix_sharing is not split over ranks: --ring_attn_size {ring} would need each "
+                          "completion's keys to include its shared prompt's on other ranks; drop --prefix_sharing")
+    for flag, model in (("ref_num_nodes", "reference"), ("teacher_num_nodes", "distillation teacher")):
+        if getattr(cfg.rollout, flag, 0):
+            raise ConfigError(f"--{flag} with --ring_attn_size {ring}: a separate {model} actor does not split rows "
+                              f"over ranks; drop --{flag} (the {model} then runs in the policy's ranks, split like "
+                              "the policy) or --ring_attn_size")
+    if cfg.model.pretrain is not None:
+        from openpack.models.loading import load_model_config
+        from openpack.models.packed import router_loss
+
+        config = load_model_config(cfg.model.pretrain)
+        if cfg.model.aux_loss_coef is not None:
+            config.get_text_config().router_aux_loss_coef = cfg.model.aux_loss_coef
+        if router_loss(config) is not None:  # a function of each row's whole token set
+            raise ConfigError(f"--ring_attn_size {ring}: the MoE policy's router load-balancing loss is not split "
+                              "over a context group; pass --aux_loss_coef 0, or drop --ring_attn_size")
 
 
 def check_shared_budget(cfg: PPORunConfig) -> None:

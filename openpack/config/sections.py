@@ -134,7 +134,8 @@ class TrainConfig:
 
 def ring_attn_size_arg():
     """--ring_attn_size, in the train section of each command that splits packed rows over ranks (train_sft,
-    train_dpo, train_rm; checked by ``check_context_parallel``)."""
+    train_dpo, train_rm, and the training-side passes of train_ppo and train_grpo; checked by
+    ``check_context_parallel``)."""
     return arg(None, "context parallelism: this many ranks share each packed row (each holding up to "
                "--max_tokens_per_gpu of it; data parallelism is the world size over this); needs --packing_samples",
                at_least=1, special={None: "no context parallelism (as 1)"})

@@ -185,6 +185,19 @@ def shard_batch(batch: PackedBatch, shard: ContextShard) -> PackedBatch:
     )
 
 
+def held_labels(loss_mask: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """Which of a row's labelled tokens ``shard`` holds, in its local order: [N_r] int64 indices into the row's
+    labelled tokens counted in row order (``loss_mask`` [T] bool of the whole row). A rank's tokens keep row order
+    (``split_row``), so per-token values of the whole row's labels, indexed by this, are the local labels'::
+
+        loss_mask   0 1 1 1 | 0 1 1        labelled tokens 0..4 in row order
+        rank 0      ^     ^ | ^   ^        token_index [0, 3, 4, 6] -> held_labels [2, 4]
+    """
+    mask = loss_mask.reshape(-1).bool()
+    index = shard.token_index.to(mask.device)
+    return (mask.cumsum(0) - 1)[index][mask[index]]
+
+
 def attention_work(shard: ContextShard, window: int | None = None) -> int:
     """Query-key pairs this rank's causal attention computes: each token sees its position + 1 keys of its
     document (at most ``window``)."""

@@ -43,6 +43,12 @@ all ranks and micro-batches, with the weights of ``--loss_agg_mode``::
 The step's counts come from the plan, so each micro-batch's part needs no
 communication and packing, micro-batching and world size change nothing.
 
+What is per completion (GSPO's s_i, seq-mask-tis's geometric mean, the length in seq_mean_token_mean's weight) is
+read from ``Completions``: each token's completion, each completion's whole length, and how a sum over the tokens
+at hand becomes the whole completion's. Under ``--ring_attn_size`` a rank holds only part of a completion's tokens;
+the trainer's ``total`` then sums the parts over the context group (``models.context_parallel``), so every rank
+computes the same s_i as one rank holding the whole row.
+
 The critic's loss per response token, with value v, rollout-time value
 v_old and return R from ``gae`` (OpenRLHF's ValueLoss, TRL's PPO)::
 
@@ -52,7 +58,8 @@ v_old and return R from ``gae`` (OpenRLHF's ValueLoss, TRL's PPO)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -85,6 +92,34 @@ class PolicyLossParams:
     entropy_coef: float = 0.0  # > 0: an entropy bonus
 
 
+def _as_is(sums: Tensor) -> Tensor:
+    return sums
+
+
+@dataclass
+class Completions:
+    """Which completion each response token at hand belongs to, for what is computed per completion.
+
+    ``ids`` [N] int64: each token's completion (0..S-1); ``lengths`` [S]: each completion's response tokens, all of
+    them, also those another rank holds; ``total`` maps per-completion sums over the tokens at hand [S] to sums over
+    whole completions (as they are, unless a context group splits completions: ``--ring_attn_size``).
+    """
+
+    ids: Tensor
+    lengths: Tensor
+    total: Callable[[Tensor], Tensor] = field(default=_as_is)
+
+    @staticmethod
+    def of(segment_ids: Tensor) -> "Completions":
+        """Completions whose tokens are all at hand, ``segment_ids`` [N] naming each token's."""
+        return Completions(segment_ids, torch.bincount(segment_ids))
+
+    def mean(self, values: Tensor) -> Tensor:
+        """The mean of ``values`` [N] over each whole completion: [S]."""
+        sums = torch.zeros(self.lengths.numel(), dtype=values.dtype, device=values.device)
+        return self.total(sums.index_add_(0, self.ids, values)) / self.lengths.to(values)
+
+
 @dataclass
 class PolicyTerms:
     """Per-token parts of the loss, each [N] over response tokens."""
@@ -99,11 +134,11 @@ class PolicyTerms:
 
 def policy_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor, params: PolicyLossParams,
                  ref_logp: Tensor | None = None, behaviour_logp: Tensor | None = None,
-                 segment_ids: Tensor | None = None, entropy: Tensor | None = None) -> PolicyTerms:
+                 completions: Completions | None = None, entropy: Tensor | None = None) -> PolicyTerms:
     """The per-token loss of the module docstring; ``ref_logp`` is needed for a KL loss, ``behaviour_logp`` for a
-    rollout correction, ``segment_ids`` ([N], each token's completion) for GSPO and seq-mask-tis, ``entropy`` (with
+    rollout correction, ``completions`` (each token's completion) for GSPO and seq-mask-tis, ``entropy`` (with
     its gradient) for an entropy bonus."""
-    loss, clipped = SURROGATES[params.loss_type](logp, old_logp, advantages, params, segment_ids)
+    loss, clipped = SURROGATES[params.loss_type](logp, old_logp, advantages, params, completions)
     if params.dual_clip is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -params.dual_clip * advantages), loss)
     tis_clipped, masked, ratio = torch.zeros_like(loss, dtype=torch.bool), None, None
@@ -111,7 +146,7 @@ def policy_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor, params: Pol
         if behaviour_logp is None:
             raise ValueError("a rollout correction needs the behaviour policy's (vLLM's) log-probs")
         ratio = torch.exp(old_logp - behaviour_logp).detach()
-        weight, tis_clipped, masked = rollout_correction(ratio, params, segment_ids)
+        weight, tis_clipped, masked = rollout_correction(ratio, params, completions)
         loss = loss * weight
     kl_term = torch.zeros_like(loss)
     if ref_logp is not None:
@@ -126,7 +161,7 @@ def policy_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor, params: Pol
 
 
 def rollout_correction(ratio: Tensor, params: PolicyLossParams,
-                       segment_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                       completions: Completions | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The weight c_t of ``params.correction`` (module docstring) from the ratios w_t [N]: (c_t, truncated,
     masked)."""
     low, high, kind = params.correction_low, params.correction_high, params.correction
@@ -138,35 +173,29 @@ def rollout_correction(ratio: Tensor, params: PolicyLossParams,
     truncated = ratio.clamp(low, high)
     if kind == "tis":
         return truncated, truncated != ratio, torch.zeros_like(ratio, dtype=torch.bool)
-    if segment_ids is None:
-        raise ValueError("seq-mask-tis's geometric mean needs each token's completion (segment_ids)")
-    geometric = torch.exp(segment_mean(torch.log(ratio), segment_ids))
-    keep = ((geometric >= low) & (geometric <= high))[segment_ids]
+    if completions is None:
+        raise ValueError("seq-mask-tis's geometric mean needs each token's completion (completions)")
+    geometric = torch.exp(completions.mean(torch.log(ratio)))
+    keep = ((geometric >= low) & (geometric <= high))[completions.ids]
     return truncated * keep, (truncated != ratio) & keep, ~keep
 
 
-def segment_mean(values: Tensor, segment_ids: Tensor) -> Tensor:
-    """The mean of ``values`` [N] over each completion: [S] (completion s holds the tokens with segment_ids s)."""
-    count = torch.bincount(segment_ids).to(values.dtype)
-    return torch.zeros_like(count).index_add_(0, segment_ids, values) / count
-
-
-def ppo_surrogate(logp, old_logp, advantages, params, segment_ids=None) -> tuple[Tensor, Tensor]:
+def ppo_surrogate(logp, old_logp, advantages, params, completions=None) -> tuple[Tensor, Tensor]:
     """PPO's clipped surrogate, per token: (loss_t, clipped_t)."""
     return clipped_surrogate(torch.exp(logp - old_logp), advantages, params)
 
 
-def gspo_surrogate(logp, old_logp, advantages, params, segment_ids=None) -> tuple[Tensor, Tensor]:
+def gspo_surrogate(logp, old_logp, advantages, params, completions=None) -> tuple[Tensor, Tensor]:
     """GSPO-token: each token carries its completion's ratio s_i (the exp of the mean log-ratio over its tokens)
     as value, and s_i d logp_t as gradient; the clip then acts per completion."""
-    if segment_ids is None:
-        raise ValueError("GSPO's sequence ratio needs each token's completion (segment_ids)")
-    sequence = torch.exp(segment_mean((logp - old_logp).detach(), segment_ids))
-    ratio = sequence[segment_ids] * torch.exp(logp - logp.detach())
+    if completions is None:
+        raise ValueError("GSPO's sequence ratio needs each token's completion (completions)")
+    sequence = torch.exp(completions.mean((logp - old_logp).detach()))
+    ratio = sequence[completions.ids] * torch.exp(logp - logp.detach())
     return clipped_surrogate(ratio, advantages, params)
 
 
-def cispo_surrogate(logp, old_logp, advantages, params, segment_ids=None) -> tuple[Tensor, Tensor]:
+def cispo_surrogate(logp, old_logp, advantages, params, completions=None) -> tuple[Tensor, Tensor]:
     """CISPO: the clipped importance weight, detached, times the advantage and the token's log-prob."""
     ratio = torch.exp(logp - old_logp).detach()
     weight = ratio.clamp(1 - params.eps_low, 1 + params.eps_high)
@@ -183,18 +212,19 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, params: PolicyLossParam
 SURROGATES = {"ppo": ppo_surrogate, "gspo": gspo_surrogate, "cispo": cispo_surrogate}
 
 
-def token_weights(segment_ids: Tensor, mode: str, step_tokens: int, step_sequences: int,
+def token_weights(completions: Completions, mode: str, step_tokens: int, step_sequences: int,
                   generate_max_len: int | None = None) -> Tensor:
-    """w_t of ``mode`` for each response token [N] (``segment_ids`` names each token's completion)."""
+    """w_t of ``mode`` for each response token [N] (``completions``: each token's, and their whole lengths)."""
+    ids = completions.ids
     if mode == "token_mean":
-        return torch.full(segment_ids.shape, 1.0 / step_tokens, device=segment_ids.device)
+        return torch.full(ids.shape, 1.0 / step_tokens, device=ids.device)
     if mode == "seq_mean_token_mean":
-        lengths = torch.bincount(segment_ids)[segment_ids].double()
+        lengths = completions.lengths.to(ids.device)[ids].double()
         return (1.0 / (step_sequences * lengths)).float()
     if mode == "seq_mean_token_sum_norm":
         if not generate_max_len:
             raise ValueError("seq_mean_token_sum_norm (Dr. GRPO) divides by generate_max_len; give it")
-        return torch.full(segment_ids.shape, 1.0 / (step_sequences * generate_max_len), device=segment_ids.device)
+        return torch.full(ids.shape, 1.0 / (step_sequences * generate_max_len), device=ids.device)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
 
 

@@ -17,6 +17,9 @@ longer than activations allow would need one (not done).
 Pair losses (DPO, reward models) are not linear in tokens, so a rank's part of a segment's log-prob sum, or a
 reward read at a last token that another rank holds, is combined over the group before the loss
 (``whole_segment_values``, ``last_token_readout``): every rank of the group then computes the same pair losses.
+Online RL's per-completion quantities (GSPO's sequence ratio, a geometric-mean rollout correction) sum their parts
+the same way, and its scoring passes (old policy, reference, critic) gather each rank's per-token values back into
+the whole row (``whole_row_values``), so the experience is the unsplit row's.
 """
 
 from __future__ import annotations
@@ -77,6 +80,17 @@ def last_token_readout(batch, skip_token_id: int | None = None) -> tuple[torch.T
         bad = (whole < 0).nonzero()[0].item()
         raise ValueError(f"segment {bad} (sample {batch.sample_index[bad].item()}) has no token to read a value at")
     return index.clamp(min=0), (mine == whole)
+
+
+@torch.no_grad()
+def whole_row_values(batch, local: torch.Tensor) -> torch.Tensor:
+    """Per-token values of the whole row [T] from this rank's [T_r] (a scoring pass: no gradient), gathered over
+    the context group when ``batch`` is one rank's part of a split row, else ``local`` as it is."""
+    shard = getattr(batch, "context_shard", None)
+    if shard is None:
+        return local.reshape(-1)
+    gathered = all_gather_rows(local.reshape(-1), shard)
+    return gathered[shard.gathered_index.to(gathered.device)]
 
 
 class _SumOverGroup(torch.autograd.Function):

@@ -11,6 +11,12 @@ The old policy's log-probs are computed in their own pass only when they differ 
 updates per rollout) or are needed before it (a KL penalty in the reward, a distillation teacher's reverse KL;
 ``RLSettings.needs_old_pass``): with one update per rollout the ratio's denominator is the first forward's
 log-probs, detached, as TRL does for ``num_iterations=1``.
+
+Under ``--ring_attn_size N`` each context group scores its data-parallel share of rows, each rank its part of a row
+(``trainers.batching.ContextPlace``), and the group's parts are gathered back into whole rows before the values
+are split into completions: every rank then holds the whole batch's experience, as without a ring, and the
+advantages (a teacher's term included) are the unsplit ones. The update trains each rank's part of the same rows
+(``TrainingTokens``).
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ import torch
 from openpack.core.advantages import (clip_rewards, distill_advantages, gae, kl, sequence_advantages, token_returns,
                                       token_rewards, whiten, whitens)
 from openpack.core.batch import PackedBatch, host_to_device
+from openpack.core.rl_losses import Completions
 from openpack.core.schedule import plan_scoring
 from openpack.distributed.process import DistInfo, all_gather_objects
+from openpack.models.context_parallel import whole_row_values, whole_segment_values
 from openpack.rl.episodes import Rollouts, Units
 from openpack.rl.settings import RLSettings
-from openpack.trainers.batching import MicroBatcher
+from openpack.trainers.batching import ContextPlace, MicroBatcher
 
 
 def response_values(batch, per_token: torch.Tensor) -> torch.Tensor:
@@ -51,6 +59,40 @@ def response_segment_ids(ids: list[int], lengths: list[int], device) -> torch.Te
     """Which segment of the batch of samples ``ids`` each completion token belongs to: [N] (0..S-1)."""
     counts = torch.tensor([lengths[k] for k in ids])
     return host_to_device(torch.repeat_interleave(torch.arange(len(counts)), counts), device)
+
+
+@dataclass
+class TrainingTokens:
+    """One micro-batch of an update as this rank trains it: ``batch`` on the device (this rank's part of the row
+    under ``--ring_attn_size``; ``host_batch`` its copy on the host), ``ids`` the completions of the row in batch
+    order, and ``completions`` the completion of each response token held here, with the whole completions'
+    lengths and their parts' sums totalled over the context group."""
+
+    host_batch: PackedBatch
+    batch: PackedBatch
+    ids: list[int]
+    held: torch.Tensor | None  # which of the row's response tokens are here (None: every one; ``held_labels``)
+    completions: Completions
+
+    def of(self, values: dict[int, torch.Tensor] | list[torch.Tensor]) -> torch.Tensor:
+        """Per-completion tensors (by id) at the response tokens held here: [N_r], laid out as ``response_values``
+        of ``batch``."""
+        whole = in_batch_order(self.ids, values, self.completions.ids.device)
+        return whole if self.held is None else whole[self.held]
+
+
+def training_tokens(experience: "Experience", micro_batches: list[list[int]], device):
+    """Each of a rank's planned micro-batches (lists of unit ids) as ``TrainingTokens``, collated when reached."""
+    batcher = experience.batcher
+    for units, row in zip(micro_batches, batcher.rows(micro_batches)):
+        host_batch, held = batcher.context.split(row)
+        batch, ids = host_batch.to(device), experience.units.completions(units)
+        held = None if held is None else host_to_device(held, device)
+        segment_ids = response_segment_ids(ids, experience.lengths, device)
+        lengths = host_to_device(torch.tensor([experience.lengths[k] for k in ids]), device)
+        completions = Completions(segment_ids if held is None else segment_ids[held], lengths,
+                                  total=lambda sums, batch=batch: whole_segment_values(batch, sums))
+        yield TrainingTokens(host_batch, batch, ids, held, completions)
 
 
 Scorer = Callable[[PackedBatch], torch.Tensor]  # a packed batch -> per-token values [1, T] (an engine's forward)
@@ -105,15 +147,15 @@ class Experience:
 
 
 def make_experience(rollouts: Rollouts, scorers: Scorers, settings: RLSettings, dist: DistInfo,
-                    pad_token_id: int) -> Experience:
+                    pad_token_id: int, context: ContextPlace = ContextPlace()) -> Experience:
     """Score the batch (this rank's share of one packed pass per scorer, gathered) and compute its advantages, the
-    same on every rank."""
-    units = Units(rollouts, settings.prefix_sharing, settings.n_samples_per_prompt, settings.max_tokens_per_gpu)
-    scored = score_share(units, scorers.given(), settings.max_tokens_per_gpu, dist)
+    same on every rank; ``context``: this rank's place in its context group (``--ring_attn_size``)."""
+    units = Units(rollouts, settings.prefix_sharing, settings.n_samples_per_prompt, settings.row_tokens)
+    scored = score_share(units, scorers.given(), settings.row_tokens, dist, context)
     old, ref, teacher, values = scored.get("old"), scored.get("ref"), scored.get("teacher"), scored.get("values")
     per_token, returns = advantages(rollouts, settings, old, ref, values, teacher)
     return Experience(rollouts=rollouts, units=units,
-                      batcher=MicroBatcher(units.segments, settings.packing_samples, pad_token_id),
+                      batcher=MicroBatcher(units.segments, settings.packing_samples, pad_token_id, context),
                       lengths=rollouts.response_lengths(), behaviour=[torch.tensor(b) for b in rollouts.behaviour],
                       versions=[torch.tensor(rollouts.sampled_by(k), dtype=torch.int64) for k in range(rollouts.size)]
                       if rollouts.versions else None,
@@ -121,21 +163,24 @@ def make_experience(rollouts: Rollouts, scorers: Scorers, settings: RLSettings, 
 
 
 @torch.no_grad()
-def score_share(units: Units, scorers: dict, max_tokens: int, dist: DistInfo) -> dict[str, dict]:
+def score_share(units: Units, scorers: dict, max_tokens: int, dist: DistInfo,
+                context: ContextPlace = ContextPlace()) -> dict[str, dict]:
     """Per-token log-probs of every completion under each scorer (``name -> engine``), this rank scoring its share
-    of one packed pass over the batch's units, then gathered: ``{name: {completion: [len] tensor}}`` on every
-    rank."""
+    of one packed pass over the batch's units (its part of its context group's rows of ``max_tokens``), then
+    gathered: ``{name: {completion: [len] tensor}}`` on every rank."""
     if not scorers:
         return {}
     lengths = units.rollouts.response_lengths()
     every = units.add(range(len(lengths)))
-    share = plan_scoring([units.lengths[u] for u in every], dist.world_size, max_tokens)[dist.rank]
+    groups = dist.world_size // context.size  # data-parallel ranks: a context group scores one share
+    share = plan_scoring([units.lengths[u] for u in every], groups, max_tokens)[dist.rank // context.size]
     share = [[every[i] for i in micro_batch] for micro_batch in share]
     mine: dict[str, dict] = {name: {} for name in scorers}
-    for ids, batch in zip(share, MicroBatcher(units.segments, packing_samples=True).collate(share)):
-        batch, completions = batch.to(dist.device), units.completions(ids)
+    for ids, row in zip(share, MicroBatcher(units.segments, packing_samples=True).rows(share)):
+        part, completions = context.part(row).to(dist.device), units.completions(ids)
         for name, scorer in scorers.items():
-            mine[name].update(per_completion(completions, response_values(batch, scorer(batch)), lengths))
+            per_token = whole_row_values(part, scorer(part))
+            mine[name].update(per_completion(completions, response_values(row, per_token), lengths))
     merged: dict[str, dict] = {name: {} for name in scorers}
     for part in all_gather_objects(mine):
         for name in scorers:

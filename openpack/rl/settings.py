@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from openpack.core.rl_losses import DEFAULT_CLIP, DEFAULT_IS_THRESHOLD, PolicyLossParams
 from openpack.core.schedule import Batching
-from openpack.trainers.batching import batching
+from openpack.trainers.batching import batching, context_parallel_size
 
 
 @dataclass
@@ -27,7 +27,7 @@ class RLSettings:
     batching: Batching = field(default_factory=Batching)  # the update's micro-batches (trainers/batching.py)
     packing_samples: bool = False
     prefix_sharing: bool = False
-    max_tokens_per_gpu: int | None = None  # the row cap of scoring passes and shared units
+    row_tokens: int | None = None  # the row cap of scoring passes and shared units (x --ring_attn_size: a row's)
     train_batch_size: int = 1
     max_epochs: int = 1
     gamma: float = 1.0
@@ -96,7 +96,7 @@ def rl_settings(cfg) -> RLSettings:
         loss_agg_mode=rl_cfg.loss_agg_mode, generate_max_len=rollout_cfg.generate_max_len, policy=policy,
         kl_coef=rl_cfg.init_kl_coef, use_kl_loss=rl_cfg.use_kl_loss,
         seed=train_cfg.seed, batching=batching(train_cfg), packing_samples=train_cfg.packing_samples,
-        prefix_sharing=train_cfg.prefix_sharing, max_tokens_per_gpu=train_cfg.max_tokens_per_gpu,
+        prefix_sharing=train_cfg.prefix_sharing, row_tokens=_row_tokens(train_cfg),
         train_batch_size=train_cfg.train_batch_size, max_epochs=train_cfg.max_epochs,
         gamma=rl_cfg.gamma, updates_per_rollout=updates_per_rollout(rollout_cfg, train_cfg), lambd=rl_cfg.lambd,
         value_clip=rl_cfg.value_clip, freezing_actor_steps=rl_cfg.freezing_actor_steps,
@@ -116,6 +116,12 @@ def distill_coef(rl_cfg) -> float:
     if not rl_cfg.teacher_pretrain:
         return 0.0
     return 1.0 if rl_cfg.distill_coef is None else rl_cfg.distill_coef
+
+
+def _row_tokens(train_cfg) -> int | None:
+    """The most tokens of a packed row: --max_tokens_per_gpu, times the --ring_attn_size ranks that share a row."""
+    cap = train_cfg.max_tokens_per_gpu
+    return None if cap is None else cap * context_parallel_size(train_cfg)
 
 
 def _pair(values: list[float] | None) -> tuple[float, float] | None:

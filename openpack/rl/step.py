@@ -40,6 +40,7 @@ from openpack.rl.rewards import RewardError, RolloutRewards, shaped_rewards
 from openpack.rl.settings import RLSettings
 from openpack.rl.update import train_on
 from openpack.rollout.weight_sync import WeightSync, policy_weights
+from openpack.trainers.batching import ContextPlace
 from openpack.trainers.metrics import Phases
 from openpack.trainers.run import TrainingRun
 
@@ -84,6 +85,7 @@ class RLLoop:
     kl_ctl: AdaptiveKLController | FixedKLController = field(default_factory=lambda: FixedKLController(0.0))
     colocation: Colocation | None = None  # --colocate_all_models: engines wake, get weights, generate, sleep
     empty_steps: EmptySteps = field(default_factory=EmptySteps)  # --dynamic_filtering
+    context: ContextPlace = field(default_factory=ContextPlace)  # --ring_attn_size: this rank's part of each row
 
 
 def rl_step(loop: RLLoop, batch: RolloutBatch) -> dict:
@@ -152,7 +154,7 @@ def experience_of(loop: RLLoop, rollouts: Rollouts, phases: Phases) -> Experienc
     """The batch scored and its advantages computed (``experience.py``), with the KL coefficient of this batch; an
     adaptive one then moves with the batch's KL."""
     settings = replace(loop.settings, kl_coef=loop.kl_ctl.value) if loop.settings.reward_kl else loop.settings
-    experience = make_experience(rollouts, loop.scorers, settings, loop.dist, loop.pad_token_id)
+    experience = make_experience(rollouts, loop.scorers, settings, loop.dist, loop.pad_token_id, loop.context)
     metrics = experience.metrics(settings.policy.kl_estimator)
     phases.add(metrics)
     if settings.reward_kl:

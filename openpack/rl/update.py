@@ -7,6 +7,12 @@ the world size: DeepSpeed's mean over ranks undone), statistics added on the dev
 step at the last micro-batch. Inside a step one pair of numbers is read to the host, at the optimizer step: its loss
 and grad norm, to skip a non-finite update (``distributed/nonfinite.py``); none per micro-batch
 (``tests/integration/test_step_syncs.py``).
+
+Under ``--ring_attn_size N`` the steps are planned for world / N data-parallel ranks; the N ranks of a context group
+train the same micro-batches, each its part of every row (``rl/experience.TrainingTokens``). Every per-token term
+is then the unsplit row's on the rank that holds the token, and the weights are the step's, so the world's
+gradients add up to one rank's; what is per completion (GSPO's ratio, seq-mask-tis's mean, a completion's length)
+is totalled over the group (``core/rl_losses.Completions``).
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ from dataclasses import replace
 
 import torch
 
-from openpack.core.rl_losses import policy_terms, token_weights, value_terms
+from openpack.core.rl_losses import Completions, policy_terms, token_weights, value_terms
 from openpack.core.schedule import RankStep, plan_run, plan_step
 from openpack.distributed.engine import optimizer_step
 from openpack.distributed.process import DistInfo
-from openpack.rl.experience import Experience, in_batch_order, response_segment_ids, response_values
+from openpack.rl.experience import Experience, response_values, training_tokens
 from openpack.rl.settings import RLSettings
+from openpack.trainers.batching import ContextPlace
 from openpack.trainers.metrics import DeviceSums, StepMetrics, maximum_over_ranks, read_together
 from openpack.trainers.router_aux import RouterAux
 
@@ -37,7 +44,8 @@ def train_on(experience: Experience, engine, critic, settings: RLSettings, dist:
     policy's, step by step; ``train_actor`` False trains only the critic (``--freezing_actor_steps``); ``version``:
     the policy version the batch trains (weight syncs so far). Returns the metrics, each averaged over the steps,
     and the real tokens the steps trained over every rank."""
-    steps = plan_updates(experience, settings, dist.world_size, seed)[dist.rank]
+    ring = experience.batcher.context.size  # a context group trains its data-parallel rank's steps together
+    steps = plan_updates(experience, settings, dist.world_size // ring, seed)[dist.rank // ring]
     pending = []
     for step in steps:
         if critic is not None:
@@ -58,38 +66,38 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
                 version: int = 0) -> StepMetrics:
     """One optimizer step of the policy over this rank's planned micro-batches; its loss is ``sum_t w_t loss_t``
     (``core/rl_losses.py``), ``w_t`` from the step's totals over every rank (``step.label_tokens``: its completion
-    tokens; ``step.samples``: its completions), so each micro-batch's part needs no communication. An MoE policy
-    adds its router load-balancing loss (``trainers/router_aux.py``). Asynchronous, it counts the tokens an older
-    version than ``version`` (the one trained) sampled: each token's own version, in the order the loss reads
-    its behaviour log-prob (``async/old_version_tokens``, their share)."""
+    tokens; ``step.samples``: its completions), so each micro-batch's part needs no communication (but a context
+    group's sum of its completions' parts for GSPO and seq-mask-tis). An MoE policy adds its router load-balancing
+    loss (``trainers/router_aux.py``). Asynchronous, it counts the tokens an older version than ``version`` (the one
+    trained) sampled: each token's own version, in the order the loss reads its behaviour log-prob
+    (``async/old_version_tokens``, their share)."""
     router_aux, correcting = RouterAux(engine, step.real_tokens), settings.policy.correction is not None
     stale = settings.async_staleness > 0 and experience.versions is not None
     sums = DeviceSums(POLICY_SUMS + (CORRECTION_SUMS if correcting else ()) + (ASYNC_SUMS if stale else ())
                       + router_aux.names, dist.device)
     grad_norm, ratio_max = 0.0, torch.zeros((), device=dist.device)
-    micro_batches = experience.batcher.collate(step.micro_batches)
-    for index, (host_batch, units) in enumerate(zip(micro_batches, step.micro_batches)):
-        last = index == len(micro_batches) - 1
+    context = experience.batcher.context
+    for index, tokens in enumerate(training_tokens(experience, step.micro_batches, dist.device)):
+        last = index == len(step.micro_batches) - 1
         engine.set_gradient_accumulation_boundary(last)
-        batch, ids = host_batch.to(dist.device), experience.units.completions(units)
+        batch = tokens.batch
         entropy = torch.empty(batch.labels.numel(), device=dist.device)
         logp = response_values(batch, engine(batch, entropy=entropy))
         entropy = response_values(batch, entropy)
-        old = in_batch_order(ids, experience.old, dist.device) if experience.old is not None else logp.detach()
-        ref = in_batch_order(ids, experience.ref, dist.device) if settings.use_kl_loss else None
-        behaviour = in_batch_order(ids, experience.behaviour, dist.device)
-        segment_ids = response_segment_ids(ids, experience.lengths, dist.device)
-        terms = policy_terms(logp, old, in_batch_order(ids, experience.advantages, dist.device), settings.policy,
-                             ref_logp=ref, behaviour_logp=behaviour if correcting else None,
-                             segment_ids=segment_ids, entropy=entropy)
-        weights = token_weights(segment_ids, settings.loss_agg_mode, step.label_tokens[0], step.samples,
+        old = tokens.of(experience.old) if experience.old is not None else logp.detach()
+        ref = tokens.of(experience.ref) if settings.use_kl_loss else None
+        behaviour = tokens.of(experience.behaviour)
+        terms = policy_terms(logp, old, tokens.of(experience.advantages), settings.policy, ref_logp=ref,
+                             behaviour_logp=behaviour if correcting else None, completions=tokens.completions,
+                             entropy=entropy)
+        weights = token_weights(tokens.completions, settings.loss_agg_mode, step.label_tokens[0], step.samples,
                                 settings.generate_max_len)
         loss = (terms.loss * weights).sum()
-        aux_loss, aux_sums = router_aux.term(host_batch.num_tokens)  # the host batch: no device sync
+        aux_loss, aux_sums = router_aux.term(tokens.host_batch.num_tokens)  # the host batch: no device sync
         engine.backward((loss + aux_loss) * dist.world_size)
-        corrections = _correction_sums(terms, segment_ids, len(ids)) if correcting else {}
+        corrections = _correction_sums(terms, tokens.completions, context) if correcting else {}
         if stale:
-            corrections["old_version_tokens"] = (in_batch_order(ids, experience.versions, dist.device) < version).sum()
+            corrections["old_version_tokens"] = (tokens.of(experience.versions) < version).sum()
         if correcting:
             ratio_max = torch.maximum(ratio_max, terms.is_ratio.max())
         sums.add(loss=loss, clipped=terms.clipped.sum(), tis_clipped=terms.tis_clipped.sum(),
@@ -114,12 +122,16 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
     return StepMetrics(sums, metrics, values)
 
 
-def _correction_sums(terms, segment_ids: torch.Tensor, sequences: int) -> dict[str, torch.Tensor | int]:
-    """A micro-batch's rollout-correction counts: masked tokens, completions with a masked token, the ratios' sum."""
-    masked_per_sequence = torch.zeros(sequences, device=segment_ids.device).index_add_(0, segment_ids,
-                                                                                     terms.masked.float())
-    return {"masked_tokens": terms.masked.sum(), "masked_sequences": (masked_per_sequence > 0).sum(),
-            "sequences": sequences, "ratio": terms.is_ratio.sum()}
+def _correction_sums(terms, completions: Completions, context: ContextPlace) -> dict[str, torch.Tensor | int]:
+    """A micro-batch's rollout-correction counts: masked tokens, completions with a masked token, the ratios' sum.
+    A completion's tokens may lie on several ranks of a context group: its masked tokens are totalled over the
+    group, and the group's rank 0 alone counts the completions."""
+    sequences = completions.lengths.numel()
+    masked = torch.zeros(sequences, device=completions.ids.device).index_add_(0, completions.ids,
+                                                                             terms.masked.float())
+    per_sequence = context.counted({"masked_sequences": (completions.total(masked) > 0).sum(),
+                                    "sequences": torch.tensor(float(sequences), device=masked.device)})
+    return {"masked_tokens": terms.masked.sum(), "ratio": terms.is_ratio.sum(), **per_sequence}
 
 
 def _over_steps(key: str, values: list[float]) -> float:
@@ -131,14 +143,11 @@ def critic_step(critic, experience: Experience, step: RankStep, settings: RLSett
     """One optimizer step of the critic over the same planned micro-batches: the clipped value loss, weighed per
     token over the step's completion tokens (as OpenRLHF's critic averages over tokens)."""
     sums, grad_norm = DeviceSums(CRITIC_SUMS, dist.device), 0.0
-    micro_batches = experience.batcher.collate(step.micro_batches)
-    for index, (host_batch, units) in enumerate(zip(micro_batches, step.micro_batches)):
-        last = index == len(micro_batches) - 1
+    for index, tokens in enumerate(training_tokens(experience, step.micro_batches, dist.device)):
+        last = index == len(step.micro_batches) - 1
         critic.set_gradient_accumulation_boundary(last)
-        batch, ids = host_batch.to(dist.device), experience.units.completions(units)
-        values = response_values(batch, critic(batch))
-        terms = value_terms(values, in_batch_order(ids, experience.values, dist.device),
-                            in_batch_order(ids, experience.returns, dist.device), settings.value_clip)
+        values = response_values(tokens.batch, critic(tokens.batch))
+        terms = value_terms(values, tokens.of(experience.values), tokens.of(experience.returns), settings.value_clip)
         loss = (terms.loss / step.label_tokens[0]).sum()
         critic.backward(loss * dist.world_size)
         sums.add(loss=loss, clipped=terms.clipped.sum(), values=values.detach().sum(), tokens=values.numel())

@@ -41,6 +41,7 @@ from openpack.rl.settings import rl_settings
 from openpack.rl.evaluation import BestPolicy, Evaluation, with_evaluation
 from openpack.rl.step import EmptySteps, RLLoop, RolloutBatch, rl_step, send_weights
 from openpack.trainers import demo, reference
+from openpack.trainers.batching import join_context
 from openpack.trainers.run import TrainingRun, start_worker
 from openpack.trainers.tracking import MetricLimit
 
@@ -131,6 +132,7 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
                            load_in_4bit=model_cfg.load_in_4bit,
                            aux_loss_coef=model_cfg.aux_loss_coef).to(dist.device)
     model = apply_lora(model, model_cfg)
+    context = join_context(cfg.train, model)  # --ring_attn_size: this rank's part of each training-side row
     cfg = with_row_cap(cfg, model, dist)
     train_cfg = cfg.train
     datasets = prompt_datasets(data_cfg, out_cfg, dist.is_main)
@@ -184,7 +186,7 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
             send_weights(sync, run.engine, dist)  # each wake)
     loop = RLLoop(run=run, pipeline=pipeline, rewards=rewards, scorers=scorers, settings=settings, prompts=prompts,
                   dist=dist, pad_token_id=tokenizer.pad_token_id or 0, sync=sync, critic=critic, kl_ctl=kl_ctl,
-                  colocation=colocation, empty_steps=empty)
+                  colocation=colocation, empty_steps=empty, context=context)
     step = functools.partial(rl_step, loop)
     evaluation = held_out_evaluation(cfg, generator, rewards, tokenizer, run) \
         if cfg.evaluation.eval_prompt_data else None
@@ -248,16 +250,17 @@ def agent_generator(cfg, generator: Generator, tokenizer):
 
 def with_row_cap(cfg, model, dist):
     """``cfg`` with ``--max_tokens_per_gpu`` set where it was left unset: rank 0's ``default_row_cap`` for the
-    policy (every rank plans with it), logged once. Also without dynamic batches: the scoring passes (reference,
+    policy (every rank plans with it; under --ring_attn_size N for a rank's 1/N of a row), logged once. Also without dynamic batches: the scoring passes (reference,
     old policy, critic values, reward models) pack their rows under it."""
     train_cfg = cfg.train
     if train_cfg.max_tokens_per_gpu is not None:
         return cfg
     from openpack.distributed.process import broadcast_object
     from openpack.rl.agents.setup import episode_budget
-    from openpack.trainers.batching import default_row_cap
+    from openpack.trainers.batching import context_parallel_size, default_row_cap
 
-    longest = episode_budget(cfg)
+    ring = context_parallel_size(train_cfg)
+    longest = -(-episode_budget(cfg) // ring)  # a rank's share of the longest sample: N ranks share a row
     cap, why = broadcast_object(default_row_cap(model, cfg.model, dist, longest) if dist.is_main else None)
     if dist.is_main:
         logger.info("--max_tokens_per_gpu not given: packed rows of at most %d tokens (%s; pass "

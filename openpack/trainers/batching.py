@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from openpack.core.batch import PackedBatch, Segment, collate_packed, collate_padded
-from openpack.core.context_parallel import shard_batch, split_row
+from openpack.core.context_parallel import held_labels, shard_batch, split_row
 from openpack.core.schedule import Batching, RankStep, plan_scoring
 from openpack.distributed.process import join_context_group
 from openpack.models.errors import UnsupportedModelError
@@ -42,9 +42,15 @@ class ContextPlace:
     rank: int = 0
 
     def part(self, batch: PackedBatch) -> PackedBatch:
+        return self.split(batch)[0]
+
+    def split(self, batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor | None]:
+        """This rank's part of ``batch`` and which of the row's labelled tokens it holds (``held_labels``: [N_r]
+        indices into them in row order); ``batch`` itself and None where rows are not split."""
         if self.size == 1:
-            return batch
-        return shard_batch(batch, split_row(batch.cu_seqlens, self.size)[self.rank])
+            return batch, None
+        part = shard_batch(batch, split_row(batch.cu_seqlens, self.size)[self.rank])
+        return part, held_labels(batch.loss_mask, part.context_shard)
 
     def counted(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A micro-batch's per-pair statistics as this rank adds them to the step's sums over the world: the
@@ -80,11 +86,16 @@ class MicroBatcher:
     context: ContextPlace = ContextPlace()
 
     def collate(self, micro_batches: list[list[int]]) -> list:
+        """Each micro-batch as this rank trains it: its part of the packed row (``context``), or the padded rows."""
+        return [self.context.part(batch) for batch in self.rows(micro_batches)]
+
+    def rows(self, micro_batches: list[list[int]]) -> list:
+        """Each micro-batch whole: one packed row (before a context group splits it), or padded rows."""
         batches = []
         for sample_ids in micro_batches:
             segments = [seg for i in sample_ids for seg in self.segments(i)]
             if self.packing_samples:
-                batches.append(self.context.part(collate_packed(segments)))
+                batches.append(collate_packed(segments))
             else:
                 batches.append(collate_padded(segments, self.pad_token_id))
         return batches

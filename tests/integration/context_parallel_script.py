@@ -4,10 +4,12 @@ For each case of ``CASES`` the rank builds the tiny model and the packed row, ru
 (log-probs, then the gradient of a weighted sum of them, its local part only), sums log-probs and gradients over
 the group, and compares them with the unsplit row's. Then the pair losses (``run_pairs``): DPO's (policy and
 reference sums through the trainer's ``PairTable``) and a reward model's, each rank computing every pair's loss
-from the group's sums and its own part of the gradient, the parts summed as DeepSpeed does. Rank 0 writes the
-largest errors to OUT.json.
+from the group's sums and its own part of the gradient, the parts summed as DeepSpeed does. Then online RL's
+completions (``run_completions``): the scoring pass through ``rl.experience.score_share`` and the policy loss as
+``rl.update.policy_step`` forms it from ``training_tokens``. Rank 0 writes the largest errors to OUT.json.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -19,11 +21,16 @@ from openpack.core.context_parallel import shard_batch, split_row
 from openpack.core.logprobs import pair_segments, segment_logprobs
 from openpack.core.losses import LossParams, pair_losses
 from openpack.core.reward_losses import reward_pair_losses
+from openpack.core.rl_losses import PolicyLossParams, policy_terms, token_weights
+from openpack.distributed.process import DistInfo
 from openpack.models.context_parallel import last_token_readout, set_context_group, whole_segment_values
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm
 from openpack.models.reward import PackedRewardModel
 from openpack.models.verify import random_segments
+from openpack.rl.episodes import Rollouts, Units
+from openpack.rl.experience import Experience, response_values, score_share, training_tokens
+from openpack.trainers.batching import ContextPlace, MicroBatcher
 from openpack.trainers.dpo import PairTable
 from openpack.trainers.reference import ModelReference
 
@@ -146,12 +153,90 @@ def run_pairs(rank, world):
     return results
 
 
+# Three completions (prompt, completion tokens) in one 66-token row over 2 ranks: completion 0 (45 tokens) outgrows a
+# rank's share, so each rank holds part of its response; completion 2 is an episode whose observation tokens (a hole
+# in its targets) are context, not trained. Per-token log-ratio shifts of the sampler (behaviour) that differ within
+# completion 0 make seq-mask-tis's geometric mean a function of the whole completion.
+COMPLETIONS = [(5, 40), (2, 3), (4, 12)]
+EPISODE_TARGETS = [True] * 5 + [False] * 3 + [True] * 4
+SAMPLER_SHIFT = [[0.25] * 20 + [-0.15] * 20, [0.2] * 3, [0.02] * 9]
+
+
+def run_completions(rank, world):
+    """GSPO (its sequence ratio) with seq-mask-tis (its geometric mean) and seq_mean_token_mean's weights (each
+    completion's whole length): the loss and summed gradients of each rank's part of the row against the whole
+    row's, and the scoring pass (old-policy log-probs gathered back into whole rows) against the unsplit pass. The
+    guard: each rank's sequence quantities from its own part of the sums."""
+    model = tiny_causal_lm("llama", seed=0)
+    packed = PackedCausalLM(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(13)
+    tokens = [torch.randint(3, model.config.vocab_size, (n + m,), generator=generator).tolist() for n, m in COMPLETIONS]
+    targets = [[True] * m for _, m in COMPLETIONS[:2]] + [EPISODE_TARGETS]
+    rollouts = Rollouts([t[:n] for t, (n, _) in zip(tokens, COMPLETIONS)],
+                        [t[n:] for t, (n, _) in zip(tokens, COMPLETIONS)],
+                        [[0.0] * sum(mask) for mask in targets], [True] * 3, targets=targets)
+    lengths = rollouts.response_lengths()
+    units = Units(rollouts, shared=False)
+    cpu = torch.device("cpu")
+
+    def scored(context, dist_info):
+        return score_share(units, {"old": packed}, 2 * sum(n + m for n, m in COMPLETIONS), dist_info, context)["old"]
+
+    whole_scores = scored(ContextPlace(), DistInfo(0, 1, 0, cpu))
+    split_scores = scored(ContextPlace(world, rank), DistInfo(rank, world, 0, cpu))
+    noise = torch.Generator().manual_seed(17)
+    old = {k: whole_scores[k] + 0.05 * torch.randn(n, generator=noise) for k, n in enumerate(lengths)}
+    behaviour = [old[k] - torch.tensor(shift) for k, shift in enumerate(SAMPLER_SHIFT)]
+    advantages = [torch.randn(n, generator=noise) for n in lengths]
+    settings = PolicyLossParams(eps_low=0.02, eps_high=0.02, loss_type="gspo", correction="seq-mask-tis",
+                                correction_low=0.9, correction_high=1.1)
+
+    def loss_of(context, combine=True):
+        experience = Experience(rollouts=rollouts, units=units, batcher=MicroBatcher(units.segments, True, 0, context),
+                                lengths=lengths, behaviour=behaviour, advantages=advantages, old=old)
+        (held,) = training_tokens(experience, [[0, 1, 2]], cpu)
+        completions = held.completions if combine else dataclasses.replace(held.completions, total=lambda sums: sums)
+        logp = response_values(held.batch, packed(held.batch))
+        terms = policy_terms(logp, held.of(old), held.of(advantages), settings,
+                             behaviour_logp=held.of(behaviour), completions=completions)
+        return (terms.loss * token_weights(completions, "seq_mean_token_mean", sum(lengths), 3)).sum(), terms
+
+    loss, terms = loss_of(ContextPlace())
+    grads = torch.autograd.grad(loss, params)
+    split_loss, split_terms = loss_of(ContextPlace(world, rank))
+    split_grads = torch.autograd.grad(split_loss, params)
+    for g in split_grads:
+        dist.all_reduce(g)
+    split_loss = split_loss.detach()
+    dist.all_reduce(split_loss)
+    masked = split_terms.masked.sum()
+    dist.all_reduce(masked)
+    alone = loss_of(ContextPlace(world, rank), combine=False)[0].detach()
+    dist.all_reduce(alone)
+    return {"rl_completions": {
+        "score_error": max((split_scores[k] - whole_scores[k]).abs().max().item() for k in range(3)),
+        "loss_error": (split_loss - loss).abs().item(), "loss": loss.item(),
+        "grad_error": max((a - b).abs().max().item() for a, b in zip(split_grads, grads)),
+        "grad_scale": max(b.abs().max().item() for b in grads),
+        "masked_tokens": [int(terms.masked.sum()), int(masked)], "clipped_tokens": int(terms.clipped.sum()),
+        "response_tokens_per_rank": all_gathered(split_terms.loss.numel(), world)},
+        "rl_completions_not_combined": {"loss_error": (alone - loss).abs().item()}}
+
+
+def all_gathered(value: int, world: int) -> list[int]:
+    values = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(values, torch.tensor(value))
+    return [int(v) for v in values]
+
+
 def main(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     set_context_group(dist.group.WORLD)
     results = {name: run_case(*case, rank, world) for name, case in CASES.items()}
     results.update(run_pairs(rank, world))
+    results.update(run_completions(rank, world))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

@@ -12,7 +12,9 @@ hid behind tiny untied models run in one process:
 
 Each run trains at a learning rate that moves the weights (the reward has spread in every group) for 3 steps, so
 steps 2 and 3 sample from synced weights: vLLM's log-probs of its own samples must equal the trainer's to 1e-4 in
-fp32, and each push may put at most 1.5x the model's bytes into the object store.
+fp32, and each push may put at most 1.5x the model's bytes into the object store. The same holds for two ranks that
+share their rows (``--ring_attn_size 2``): the engine generates whole sequences, and rank 0 alone sends, each
+parameter once, whatever ranks train parts of a row.
 """
 
 import json
@@ -31,8 +33,7 @@ FLAGS = ["--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_ba
          "--generate_max_len", "8", "--prompt_max_len", "32", "--learning_rate", "1e-3", "--seed", "1",
          "--max_steps", "3", "--rollout_backend", "vllm", "--launcher", "ray",
          "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "256"]
-RANKS = {"2": ["--num_gpus_per_node", "2", "--num_cpus_per_worker", "1"],  # ZeRO-2's flat buffers
-         "3": ["--num_gpus_per_node", "1"], "0": ["--num_gpus_per_node", "1"]}
+TWO_RANKS = ["--num_gpus_per_node", "2", "--num_cpus_per_worker", "1"]  # ZeRO-2's flat buffers
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +58,18 @@ def model_bytes(folder) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tied, zero_stage", [(True, "2"), (True, "3"), (False, "0")],
-                         ids=["tied-zero2-two-ranks", "tied-zero3", "untied-zero0"])
-def test_synced_engine_equals_the_trainer_and_pushes_only_the_model(tied, zero_stage, tied_model, rl_model, tmp_path):
+@pytest.mark.parametrize("tied, zero_stage, ranks", [
+    (True, "2", TWO_RANKS), (True, "3", ["--num_gpus_per_node", "1"]), (False, "0", ["--num_gpus_per_node", "1"]),
+    (True, "2", [*TWO_RANKS, "--ring_attn_size", "2"])],
+    ids=["tied-zero2-two-ranks", "tied-zero3", "untied-zero0", "tied-zero2-ring-of-two"])
+def test_synced_engine_equals_the_trainer_and_pushes_only_the_model(tied, zero_stage, ranks, tied_model, rl_model,
+                                                                   tmp_path):
     model = tied_model if tied else rl_model / "model"
     if tied:
         assert json.loads((model / "config.json").read_text())["tie_word_embeddings"] is True
     argv = ["--pretrain", str(model), "--prompt_data", str(rl_model / "prompts.jsonl"),
             "--reward_fn", f"{rl_model / 'reward.py'}:reward", "--save_path", str(tmp_path), "--zero_stage",
-            zero_stage, *FLAGS, *RANKS[zero_stage]]
+            zero_stage, *FLAGS, *ranks]
     assert train_grpo.main(argv) == 0
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2, 3]

@@ -19,7 +19,7 @@ import torch
 from openpack.core.advantages import (AdaptiveKLController, FixedKLController, clip_rewards, gae, keep_groups, kl,
                                       kl_controller, overlong_penalty, sequence_advantages, stop_properly_penalty,
                                       token_returns, token_rewards, whiten, whitens)
-from openpack.core.rl_losses import PolicyLossParams, policy_terms, token_weights, value_terms
+from openpack.core.rl_losses import Completions, PolicyLossParams, policy_terms, token_weights, value_terms
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
 
@@ -96,15 +96,15 @@ def test_truncated_importance_sampling_and_kl_loss():
 
 def test_token_weights_sum_to_the_step_mean_however_the_step_is_split():
     segments = torch.tensor([0, 0, 0, 1, 1])
-    close(token_weights(segments, "token_mean", 5, 2), [0.2] * 5)
-    close(token_weights(segments, "seq_mean_token_mean", 5, 2), [1 / 6] * 3 + [1 / 4] * 2)
-    close(token_weights(segments, "seq_mean_token_sum_norm", 5, 2, generate_max_len=10), [0.05] * 5)
+    close(token_weights(Completions.of(segments), "token_mean", 5, 2), [0.2] * 5)
+    close(token_weights(Completions.of(segments), "seq_mean_token_mean", 5, 2), [1 / 6] * 3 + [1 / 4] * 2)
+    close(token_weights(Completions.of(segments), "seq_mean_token_sum_norm", 5, 2, generate_max_len=10), [0.05] * 5)
     # two micro-batches (one completion each), weights from the step's counts: the same weights as one batch
-    split = torch.cat([token_weights(torch.zeros(3, dtype=torch.long), "seq_mean_token_mean", 5, 2),
-                       token_weights(torch.zeros(2, dtype=torch.long), "seq_mean_token_mean", 5, 2)])
-    torch.testing.assert_close(split, token_weights(segments, "seq_mean_token_mean", 5, 2))
+    split = torch.cat([token_weights(Completions.of(torch.zeros(3, dtype=torch.long)), "seq_mean_token_mean", 5, 2),
+                       token_weights(Completions.of(torch.zeros(2, dtype=torch.long)), "seq_mean_token_mean", 5, 2)])
+    torch.testing.assert_close(split, token_weights(Completions.of(segments), "seq_mean_token_mean", 5, 2))
     with pytest.raises(ValueError, match="divides by generate_max_len"):
-        token_weights(segments, "seq_mean_token_sum_norm", 5, 2)
+        token_weights(Completions.of(segments), "seq_mean_token_sum_norm", 5, 2)
 
 
 SEGMENTS = torch.tensor([0, 0, 1, 1, 1])  # two completions, of 2 and 3 response tokens

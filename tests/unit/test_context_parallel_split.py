@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openpack.core.batch import Segment, collate_packed
-from openpack.core.context_parallel import attention_work, key_rows, shard_batch, split_row
+from openpack.core.context_parallel import attention_work, held_labels, key_rows, shard_batch, split_row
 from openpack.core.packing import plan_packs
 from test_benchmark_packing import bench  # benchmarks/packing.py, loaded from its path
 
@@ -113,6 +113,41 @@ def test_shard_batch_keeps_positions_and_shifted_labels():
     assert local.cu_seqlens.tolist() == [0, 2, 4] and local.num_segments == batch.num_segments
     assert local.attention_kwargs()["context_shard"] is shards[1]
     assert sum(shard_batch(batch, s).loss_mask.sum() for s in shards) == batch.loss_mask.sum()
+
+
+def test_held_labels_on_a_hand_split_row():
+    """Two completions after prompts (labels shifted: a target's label sits on the token before it), the second an
+    episode with a hole. Labelled positions of the row: 1, 2, 3 (segment 0) and 6, 9 (segment 1), labels 0..4 in row
+    order. Over 2 ranks rank 0 holds the heads and tails: positions 0, 1 | 4 of segment 0 (3 of its 5 tokens, the
+    leftover), 5, 6 | 10 of segment 1; rank 1 the middles 2, 3 and 7, 8, 9. So rank 0 holds labels 0 (position 1)
+    and 3 (position 6), rank 1 labels 1, 2 (positions 2, 3) and 4 (position 9)."""
+    segments = [Segment(list(range(10, 15)), [False, False, True, True, True], 0),
+                Segment(list(range(20, 26)), [False, False, True, False, False, True], 1)]
+    batch = collate_packed(segments)
+    assert batch.loss_mask[0].nonzero()[:, 0].tolist() == [1, 2, 3, 6, 9]
+    shards = split_row(batch.cu_seqlens, 2)
+    assert [s.token_index.tolist() for s in shards] == [[0, 1, 4, 5, 6, 10], [2, 3, 7, 8, 9]]
+    assert [held_labels(batch.loss_mask, s).tolist() for s in shards] == [[0, 3], [1, 2, 4]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8), size=st.integers(1, 4), seed=st.integers(0, 99))
+def test_held_labels_pick_each_rank_s_own_labels(lengths, size, seed):
+    """Per-label values of the whole row (as a scoring pass gathers them), indexed by a rank's ``held_labels``, are
+    that rank's labelled tokens' values in its order; every label is held once over the group."""
+    generator = torch.Generator().manual_seed(seed)
+    segments = [Segment(list(range(n)), (torch.rand(n, generator=generator) < 0.6).tolist(), k)
+                for k, n in enumerate(lengths)]
+    batch = collate_packed(segments)
+    per_token = torch.randn(batch.num_tokens, generator=generator)
+    whole = per_token[batch.loss_mask[0]]
+    held = []
+    for shard in split_row(batch.cu_seqlens, size):
+        local = shard_batch(batch, shard)
+        mine = held_labels(batch.loss_mask, shard)
+        assert torch.equal(whole[mine], per_token[shard.token_index][local.loss_mask[0]])
+        held.append(mine)
+    assert sorted(torch.cat(held).tolist()) == list(range(whole.numel()))
 
 
 @pytest.mark.parametrize("window", [None, 512])

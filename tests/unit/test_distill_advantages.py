@@ -104,7 +104,7 @@ def test_packed_and_prefix_shared_passes_give_each_tokens_own_reverse_kl():
     expected = [0.3 * (t - s) for s, t in zip(*alone)]
     dist = DistInfo(0, 1, 0, torch.device("cpu"))
     for shared, cap in ((False, 64), (True, 64), (True, 24)):  # 24 tokens: some groups split into units
-        run = settings("group_norm", coef=0.3, prefix_sharing=shared, max_tokens_per_gpu=cap)
+        run = settings("group_norm", coef=0.3, prefix_sharing=shared, row_tokens=cap)
         run.n_samples_per_prompt = 4
         experience = make_experience(rollouts, Scorers(old=student, teacher=teacher), run, dist, 0)
         for k in range(12):

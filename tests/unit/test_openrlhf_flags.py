@@ -383,8 +383,9 @@ EXAMPLE_SCRIPTS = {
     "train_ppo_with_reward_fn.sh": SHARED_2048,
     "train_dapo_ray_hybrid_engine.sh": SHARED_2048,
     "train_prorlv2_math_hybrid_engine.sh": (None, 1024, 8192),  # --data.max_len 9216 --rollout.max_new_tokens 8192
-    "train_reinforce_baseline_hybrid_engine.sh": "--ds.ring_attn_size 2: context parallelism in RL",
-    "train_reinforce_baseline_ray_agent_async.sh": "--ds.ring_attn_size 2: context parallelism in RL",
+    # agent episodes at --ds.ring_attn_size 2: --data.max_len 74240 --rollout.max_new_tokens 64000
+    "train_reinforce_baseline_hybrid_engine.sh": (None, 10240, 64000),
+    "train_reinforce_baseline_ray_agent_async.sh": (None, 10240, 64000),
     "train_vlm_math_hybrid_engine.sh": "--data.max_images_per_prompt 1: vision-language models",
 }
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from openpack.core.rl_losses import DEFAULT_CLIP, PolicyLossParams, policy_terms, token_weights
+from openpack.core.rl_losses import DEFAULT_CLIP, Completions, PolicyLossParams, policy_terms, token_weights
 
 
 def close(actual, expected, tol=1e-6):
@@ -31,7 +31,7 @@ def test_gspo_one_clipped_ratio_per_completion():
     s0, s1 = math.exp(3e-4), math.exp(1e-3)
     for a1, loss1, grad1, clipped1 in [(2.0, -(1 + 4e-4) * 2.0, 0.0, True), (-1.0, s1, s1, False)]:
         advantages = torch.tensor([1.0, 0.5, a1, a1], dtype=torch.float64)
-        terms = policy_terms(logp, old, advantages, gspo(), segment_ids=segments)
+        terms = policy_terms(logp, old, advantages, gspo(), completions=Completions.of(segments))
         close(terms.loss.detach(), [-s0, -s0 * 0.5, loss1, loss1], tol=1e-12)
         assert terms.clipped.tolist() == [False, False, clipped1, clipped1]
         (grad,) = torch.autograd.grad(terms.loss.sum(), logp)
@@ -49,8 +49,8 @@ def test_gspo_at_the_first_update_is_the_sequence_mean_weighting_of_the_token_gr
 
     def grad_of(params, mode):
         logp = torch.log_softmax(hidden @ weight.T, -1).gather(1, labels[:, None])[:, 0]
-        terms = policy_terms(logp, logp.detach(), advantages, params, segment_ids=segments)
-        (grad,) = torch.autograd.grad((terms.loss * token_weights(segments, mode, 4, 2)).sum(), weight)
+        terms = policy_terms(logp, logp.detach(), advantages, params, completions=Completions.of(segments))
+        (grad,) = torch.autograd.grad((terms.loss * token_weights(Completions.of(segments), mode, 4, 2)).sum(), weight)
         return grad
 
     logp = torch.log_softmax(hidden @ weight.T, -1).gather(1, labels[:, None])[:, 0]
@@ -62,8 +62,34 @@ def test_gspo_at_the_first_update_is_the_sequence_mean_weighting_of_the_token_gr
 
 
 def test_gspo_needs_the_completions():
-    with pytest.raises(ValueError, match="segment_ids"):
+    with pytest.raises(ValueError, match="completions"):
         policy_terms(torch.zeros(2), torch.zeros(2), torch.ones(2), gspo())
+
+
+def test_gspo_of_a_completion_split_in_parts_totals_the_parts():
+    """A completion's tokens held in two parts (a row split over a context group): GSPO's s_i is the exp of the mean
+    log-ratio over the whole completion, so each part needs the other's sum and the whole length. Completion 0 has
+    log-ratios 1e-4 | 5e-4, 3e-4 (mean 3e-4), completion 1 has 2e-3 (all in the second part). With ``total`` adding
+    the other part's sums each part's loss is the whole's (s_0 = exp(3e-4) inside [1 - 3e-4, 1 + 4e-4], A = 1:
+    loss -s_0); from a part's own sums (part 1: exp(1e-4 / 3); part 2: exp(8e-4 / 3)) the losses differ."""
+    old = torch.zeros(4, dtype=torch.float64)
+    logp = torch.tensor([1e-4, 5e-4, 3e-4, 2e-3], dtype=torch.float64)
+    ids, advantages = torch.tensor([0, 0, 0, 1]), torch.ones(4, dtype=torch.float64)
+    whole = policy_terms(logp, old, advantages, gspo(), completions=Completions.of(ids)).loss
+    close(whole[:3], [-math.exp(3e-4)] * 3, tol=1e-12)
+    parts = [slice(0, 1), slice(1, 4)]
+    lengths = torch.tensor([3, 1])
+
+    def own_sums(part):
+        return torch.zeros(2, dtype=torch.float64).index_add_(0, ids[part], logp[part])
+
+    for mine, other in (parts, parts[::-1]):
+        totalled = Completions(ids[mine], lengths, total=lambda sums, other=other: sums + own_sums(other))
+        close(policy_terms(logp[mine], old[mine], advantages[mine], gspo(), completions=totalled).loss, whole[mine],
+              tol=1e-12)
+        alone = Completions(ids[mine], lengths)  # no total: the part's own sum over the whole length
+        assert (policy_terms(logp[mine], old[mine], advantages[mine], gspo(), completions=alone).loss
+                - whole[mine]).abs().max() > 1e-5
 
 
 def test_cispo_clips_and_detaches_the_weight_and_keeps_every_gradient():
@@ -113,7 +139,7 @@ def corrected(kind, ratios, segments, band=(0.5, 2.0)):
     params = PolicyLossParams(correction=kind, correction_low=band[0], correction_high=band[1])
     zeros = torch.zeros(len(ratios), dtype=torch.float64)
     return policy_terms(zeros, zeros, torch.ones(len(ratios), dtype=torch.float64), params,
-                        behaviour_logp=behaviour, segment_ids=torch.tensor(segments))
+                        behaviour_logp=behaviour, completions=Completions.of(torch.tensor(segments)))
 
 
 def test_rollout_corrections_hand_values():
