@@ -64,6 +64,20 @@ def render_chat(tokenizer, source: str, messages: list, **kwargs) -> str:
                         "rejected by the chat template") from err
 
 
+def encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """``tokenizer(texts, add_special_tokens=...)["input_ids"]``, the same ids, through the Rust tokenizer's
+    ``encode_batch_fast`` when transformers would call it with the same settings (no truncation, no padding, the
+    same special-token splitting): it skips offsets and transformers' per-text dicts, 1.5-2x faster on 10k rows
+    (demo and SmolLM2 tokenizers, 2 cores)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    fast = (backend is not None and hasattr(backend, "encode_batch_fast") and backend.truncation is None
+            and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)))
+    if not fast:
+        return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+
+
 def check_input_template(template: str | None, apply_chat_template: bool) -> None:
     """--input_template must hold ``{}`` and real newlines, and cannot be combined with the chat template."""
     if template is None:

@@ -186,6 +186,14 @@ class PairTokenization:
 
     noun = "pairs"  # the summary line's unit
 
+    @property
+    def width(self) -> int:
+        """Segments per sample."""
+        return 3 if self.prefix_sharing else 2
+
+    def report(self, rows: int) -> PreferenceReport:
+        return PreferenceReport(truncated=0, dropped=0, skipped=Counter(), rows=rows)
+
     def check(self, tokenizer) -> None:
         """The flags' own errors, before any row is read."""
         _check_args(self.max_len, self.overlength)
@@ -263,7 +271,7 @@ def tokenize_pairs(
     how = PairTokenization(prompt_key, chosen_key, rejected_key, max_len, overlength, apply_chat_template,
                            input_template, margin_key)
     how.check(tokenizer)
-    report = PreferenceReport(truncated=0, dropped=0, skipped=Counter(), rows=len(rows))  # load skips: rows.skipped
+    report = how.report(len(rows))  # load skips: rows.skipped
     pairs, prompt_tails = formats.fold(how.outcomes(rows, tokenizer), skip_bad_samples, report)
     if prompt_tails and warn:  # workers re-tokenizing their micro-batches pass warn=False: the driver warned
         warn_prompt_tails(prompt_tails)
@@ -422,7 +430,7 @@ def _encode(tokenizer, rendered: list[_Rendered]) -> list[list[list[int]]]:
         rows = [i for i, r in enumerate(rendered) if r.chat == chat]
         if not rows:
             continue
-        flat = tokenizer([t for i in rows for t in rendered[i].texts], add_special_tokens=not chat)["input_ids"]
+        flat = formats.encode(tokenizer, [t for i in rows for t in rendered[i].texts], not chat)
         for j, i in enumerate(rows):
             ids[i] = flat[3 * j : 3 * j + 3]
     return ids

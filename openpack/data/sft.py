@@ -132,6 +132,14 @@ class SFTTokenization:
 
     noun = "samples"  # the summary line's unit
 
+    @property
+    def width(self) -> int:
+        """Segments per sample."""
+        return 1
+
+    def report(self, rows: int) -> TokenizeReport:
+        return TokenizeReport(truncated=0, dropped=0, skipped=Counter(), rows=rows)
+
     def check(self, tokenizer) -> None:
         """The flags' own errors, before any row is read."""
         _check_args(tokenizer, self.apply_chat_template, self.max_len, self.overlength, self.conversation_loss,
@@ -219,7 +227,7 @@ def tokenize_sft(
     how = SFTTokenization(input_key, output_key, messages_key, apply_chat_template, input_template, max_len,
                           overlength, conversation_loss)
     how.check(tokenizer)
-    report = TokenizeReport(truncated=0, dropped=0, skipped=Counter(), rows=len(rows))  # load skips: rows.skipped
+    report = how.report(len(rows))  # load skips: rows.skipped
     samples, prompt_tails = formats.fold(how.outcomes(rows, tokenizer), skip_bad_samples, report)
     if prompt_tails and warn:
         warn_prompt_tails(prompt_tails)
@@ -361,7 +369,7 @@ def _encode(tokenizer, formatted: list[_Formatted], loss: str) -> list:
     for chat in (False, True):
         rows = [i for i, item in enumerate(formatted) if item.texts is not None and item.chat == chat]
         if rows:
-            flat = tokenizer([t for i in rows for t in formatted[i].texts], add_special_tokens=not chat)["input_ids"]
+            flat = formats.encode(tokenizer, [t for i in rows for t in formatted[i].texts], not chat)
             for j, i in enumerate(rows):
                 encoded[i] = ("pair", flat[2 * j], flat[2 * j + 1], None)
     rows = [i for i, item in enumerate(formatted) if item.messages is not None]
@@ -466,7 +474,7 @@ def assistant_targets_by_prefix(tokenizer, items: list[_Formatted]) -> list:
         except DataError as err:
             rendered.append(err)
     texts = [text for row in rendered if not isinstance(row, DataError) for text in row]
-    flat = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    flat = iter(formats.encode(tokenizer, texts, False) if texts else [])
     end_of_turn = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     end_of_turn |= set(tokenizer.all_special_ids)
     results = []
