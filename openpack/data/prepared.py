@@ -50,7 +50,6 @@ from pathlib import Path
 
 import numpy as np
 
-from openpack.data import formats
 from openpack.data.loading import (DataError, DatasetFiles, RowFile, Rows, check_not_empty, check_probs, choose_rows,
                                    open_datasets)
 
