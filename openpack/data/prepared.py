@@ -167,6 +167,7 @@ def select(
     ``tokenization``: ``SFTTokenization`` or ``PairTokenization`` (the flags), ``tokenizer`` its tokenizer;
     ``num_proc`` processes tokenize (default: the cores this process may use).
     """
+    started = time.perf_counter()
     tokenization.check(tokenizer)
     files = open_datasets(datasets, split, flag)
     if probs is not None:
@@ -174,7 +175,7 @@ def select(
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     tally = _Pass(tokenizer, tokenization, cache, num_proc or len(os.sched_getaffinity(0)),
                   stop_early=probs is None or len(datasets) < 2, skip=skip_bad_samples, wanted=max_samples)
-    records = tally.run(files)
+    records = tally.run(files, started)
     parts, skipped_per = [], []
     for spec in files.per_spec:
         good, skipped = [], Counter()
@@ -205,25 +206,27 @@ class _Pass:
         self._codes: dict[str, int] = {}
         self.keys: list[str] = []
         self.cached_rows = self.tokenized_rows = 0
-        self.seconds, self.processes, self.saved = 0.0, 1, False
+        self.seconds, self.opened, self.processes, self.saved = 0.0, 0.0, 1, False
         self._usable, self._stopped = 0, False
         self._width = tokenization.width
         self._settings = _settings_key(tokenizer, tokenization)
 
-    def run(self, files: DatasetFiles) -> np.ndarray:
+    def run(self, files: DatasetFiles, started: float) -> np.ndarray:
         per_file = []
         for file in files.files:
             key = hashlib.sha256(json.dumps([self._settings, file.digest]).encode()).hexdigest()[:32]
             self.keys.append(key)
             per_file.append(self._records(file, key))
+        self.opened = time.perf_counter() - started - self.seconds
         return np.concatenate(per_file) if per_file else np.zeros(0, record_dtype(self._width))
 
     def notice(self) -> str:
         """One line: rows read from the cache, rows tokenized (how long, how many processes), where it is."""
         parts = []
         if self.cached_rows:
-            parts.append(f"{self.cached_rows} rows' lengths read from the cache, nothing tokenized again"
-                         if not self.tokenized_rows else f"{self.cached_rows} rows' lengths from the cache")
+            parts.append(f"{self.cached_rows} rows' lengths read from the cache in {self.opened:.1f} s (files "
+                         "hashed and indexed), nothing tokenized again" if not self.tokenized_rows
+                         else f"{self.cached_rows} rows' lengths from the cache")
         if self.tokenized_rows:
             parts.append(f"{self.tokenized_rows} rows tokenized in {self.seconds:.1f} s on {self.processes} "
                          f"process{'es' if self.processes > 1 else ''}"
