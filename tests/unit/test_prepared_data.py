@@ -159,3 +159,25 @@ def test_max_samples_without_a_mixture_stops_early_and_caches_nothing(tmp_path, 
     selection = select(path, tokenizer, tmp_path / "cache", max_samples=15)
     assert len(selection) == 15 and "20 rows tokenized" in selection.notice and "not cached" in selection.notice
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
+
+
+def test_a_prompt_set_reads_what_tokenize_prompts_gives(tmp_path, tokenizer):
+    """RL prompt sets take the same pass: the usable rows' ids only, each prompt read and tokenized when asked for,
+    equal to ``tokenize_prompts``; the same rows left out for the same reasons."""
+    from openpack.data.prompt_set import PromptSet, PromptTokenization
+    from openpack.data.prompts import tokenize_prompts
+
+    rows = [{"prompt": f"{i}+{i}=" * (1 + i % 4), "answer": str(2 * i)} for i in range(20)]
+    rows[3] = {"question": "1+1="}  # no prompt
+    path = write(tmp_path / "prompts.jsonl", rows)
+    expected, left_out = tokenize_prompts(load_rows([path]), tokenizer, prompt_max_len=12, skip_bad_samples=True)
+    how = PromptTokenization(prompt_max_len=12)
+    selection = select(path, tokenizer, tmp_path / "cache", how, skip_bad_samples=True)
+    data = selection.finish(True)
+    prompts = PromptSet(selection.files, data.rows, tokenizer, how)
+    assert len(prompts) == len(expected) and list(prompts) == expected and prompts[-1] == expected[-1]
+    assert data.summary == f"{len(expected)} used, " + ", ".join(f"{n} {why}" for why, n in
+                                                                 sorted(left_out.items())) + " left out"
+    with pytest.raises(DataError, match="no 'prompt' key") as err:
+        select(path, tokenizer, tmp_path / "cache", how).finish(False)
+    assert f"{path}:4" in str(err.value)
