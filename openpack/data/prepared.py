@@ -58,7 +58,7 @@ CHUNK_ROWS = 4096  # rows per batched tokenizer call and per task of the pool
 PARALLEL_FROM = 3 * CHUNK_ROWS  # rows: fewer are tokenized in this process (starting the pool costs seconds)
 KEPT, BLANK, LOAD_BAD, BAD, DROPPED, FATAL, UNREAD = range(7)  # a record's status
 TRUNCATED, PROMPT_TAIL = 1, 2  # a record's flags
-_DATA_CODE = ("loading.py", "formats.py", "sft.py", "preference.py", "prompts.py", "prepared.py")
+_DATA_CODE = ("loading.py", "formats.py", "sft.py", "preference.py", "prompts.py", "prompt_set.py", "prepared.py")
 
 
 def cache_root() -> Path:

@@ -161,23 +161,27 @@ def test_max_samples_without_a_mixture_stops_early_and_caches_nothing(tmp_path, 
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
 
 
-def test_a_prompt_set_reads_what_tokenize_prompts_gives(tmp_path, tokenizer):
-    """RL prompt sets take the same pass: the usable rows' ids only, each prompt read and tokenized when asked for,
-    equal to ``tokenize_prompts``; the same rows left out for the same reasons."""
+def test_a_prompt_set_reads_each_prompt_by_id(tmp_path, tokenizer):
+    """RL prompt sets take the same pass: the usable rows' ids only, each prompt read and tokenized when asked for
+    (the ids ``tokenizer(prompt)`` gives), a row with no prompt or a prompt over --prompt_max_len left out and
+    counted, a bad row named by file and line."""
     from openpack.data.prompt_set import PromptSet, PromptTokenization
-    from openpack.data.prompts import tokenize_prompts
+    from openpack.data.prompts import Prompt
 
     rows = [{"prompt": f"{i}+{i}=" * (1 + i % 4), "answer": str(2 * i)} for i in range(20)]
     rows[3] = {"question": "1+1="}  # no prompt
     path = write(tmp_path / "prompts.jsonl", rows)
-    expected, left_out = tokenize_prompts(load_rows([path]), tokenizer, prompt_max_len=12, skip_bad_samples=True)
+    expected = [Prompt(tokenizer(row["prompt"])["input_ids"], row["prompt"], row, f"{path}:{i + 1}")
+                for i, row in enumerate(rows) if "prompt" in row]
+    long = [p for p in expected if len(p.tokens) > 12]
+    expected = [p for p in expected if len(p.tokens) <= 12]
     how = PromptTokenization(prompt_max_len=12)
     selection = select(path, tokenizer, tmp_path / "cache", how, skip_bad_samples=True)
     data = selection.finish(True)
     prompts = PromptSet(selection.files, data.rows, tokenizer, how)
-    assert len(prompts) == len(expected) and list(prompts) == expected and prompts[-1] == expected[-1]
-    assert data.summary == f"{len(expected)} used, " + ", ".join(f"{n} {why}" for why, n in
-                                                                 sorted(left_out.items())) + " left out"
+    assert len(long) > 0 and len(prompts) == len(expected) and list(prompts) == expected
+    assert prompts[-1] == expected[-1] and prompts[2:4] == expected[2:4]
+    assert data.summary == f"{len(expected)} used, {len(long)} longer than --prompt_max_len 12, 1 no prompt left out"
     with pytest.raises(DataError, match="no 'prompt' key") as err:
         select(path, tokenizer, tmp_path / "cache", how).finish(False)
     assert f"{path}:4" in str(err.value)
