@@ -21,7 +21,9 @@ jobs: wall times are noisy, memory is not).
 
 Reported per run: peak RSS of the process (``VmHWM``; openpack's tokenizing pool workers are separate processes,
 their peak is given apart), seconds to the data being ready (openpack's ``data:`` line; TRL's trainer built),
-seconds to the end of the first optimizer step, and the wall time of the whole process.
+seconds to the end of the first optimizer step, the wall time of the whole process, and the CPU seconds (user +
+system) of the process and every process it waited for (the pools): on shared cores, CPU time is the fairer
+measure of work, wall time the one a user waits.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--big_tokenizers", nargs="+", default=["demo"],
                         help="tokenizers run at row counts above --trl_rows (openpack only)")
     parser.add_argument("--smoke", action="store_true", help="2000 rows, the demo tokenizer, docs untouched")
+    parser.add_argument("--merge", type=Path, nargs="*", default=[],
+                        help="results.json files of earlier runs of this script to show in the section too")
     harness.add_output_args(parser, SECTION, chart=None)
     parser.add_argument("--trl_worker", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -123,7 +127,10 @@ def run_watched(argv: list[str], log: Path, env: dict, marks: dict) -> dict:
         process = subprocess.Popen([sys.executable, harness.__file__, "--peak_rss_to", str(report), *argv],
                                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=harness.REPO)
         tree = harness.TreeSampler(process.pid, interval=0.5)
-        while process.poll() is None:
+        while True:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid:
+                break
             time.sleep(0.2)
             text = log.read_text(errors="replace")
             for name, done in marks.items():
@@ -132,13 +139,14 @@ def run_watched(argv: list[str], log: Path, env: dict, marks: dict) -> dict:
         tree.stop()
     wall = time.perf_counter() - start
     text = log.read_text(errors="replace")
-    if process.returncode != 0:
-        raise RuntimeError(f"{argv[:3]} exited with {process.returncode}; log {log}:\n{text[-3000:]}")
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{argv[:3]} exited with {os.waitstatus_to_exitcode(status)}; log {log}:\n{text[-3000:]}")
     for name, done in marks.items():
         seen.setdefault(name, wall if done(text) else float("nan"))
     peak = json.loads(report.read_text())["peak_rss_mb"]
     workers = [entry["peak_mb"] for pid, entry in tree.processes.items() if pid != process.pid]
-    return {"peak_rss_mb": peak, "wall_s": wall, "workers_peak_mb": max(workers, default=0.0), **seen}
+    return {"peak_rss_mb": peak, "wall_s": wall, "workers_peak_mb": max(workers, default=0.0),
+            "cpu_s": usage.ru_utime + usage.ru_stime, **seen}
 
 
 def openpack_run(model: Path, data: Path, run_dir: Path, cache: Path, env: dict) -> dict:
@@ -222,10 +230,12 @@ def benchmark(args, work: Path) -> int:
                                   load_after=load_average(), file_mb=data.stat().st_size / 2**20)
                     results.append(result)
                     print(f"{tag} {arm:8s} {which:6s}: data ready {result['data_ready_s']:.1f} s, first step "
-                          f"{result['first_step_s']:.1f} s, wall {result['wall_s']:.1f} s, peak RSS "
+                          f"{result['first_step_s']:.1f} s, wall {result['wall_s']:.1f} s, CPU "
+                          f"{result['cpu_s']:.0f} s, peak RSS "
                           f"{result['peak_rss_mb']:.0f} MiB (workers {result['workers_peak_mb']:.0f}), load "
                           f"{load} -> {result['load_after']}", flush=True)
                     (work / "results.json").write_text(json.dumps(results, indent=1))
+    results = [r for path in args.merge for r in json.loads(path.read_text())] + results
     markdown, _ = harness.docs_outputs(args.markdown, None, SECTION, args.smoke)
     if markdown is not None:
         harness.write_section(markdown, SECTION, section(results, args))
@@ -241,12 +251,13 @@ def section(results: list[dict], args) -> str:
              "before and after each run is in the table: the 2 cores were shared with other jobs, so times are "
              "noisy, memory is not.", "",
              "| tokenizer | rows | file (MB) | arm | run | peak RSS (MiB) | pool workers' peak (MiB) | data ready (s) "
-             "| first step (s) | wall (s) | load before -> after |",
-             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|"]
+             "| first step (s) | wall (s) | CPU (s) | load before -> after |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         lines.append(f"| {r['tokenizer']} | {r['rows']} | {r['file_mb']:.0f} | {r['arm']} | {r['run']} | "
                      f"{r['peak_rss_mb']:.0f} | {r['workers_peak_mb']:.0f} | {r['data_ready_s']:.1f} | "
-                     f"{r['first_step_s']:.1f} | {r['wall_s']:.1f} | {r['load_before']} -> {r['load_after']} |")
+                     f"{r['first_step_s']:.1f} | {r['wall_s']:.1f} | {r.get('cpu_s', float('nan')):.0f} | "
+                     f"{r['load_before']} -> {r['load_after']} |")
     lines.append("")
     for tokenizer in sorted({r["tokenizer"] for r in results}):
         first = sorted((r["rows"], r["peak_rss_mb"]) for r in results
