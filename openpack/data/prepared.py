@@ -208,15 +208,20 @@ class _Pass:
         self.cached_rows = self.tokenized_rows = 0
         self.seconds, self.opened, self.processes, self.saved = 0.0, 0.0, 1, False
         self._usable, self._stopped = 0, False
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._width = tokenization.width
         self._settings = _settings_key(tokenizer, tokenization)
 
     def run(self, files: DatasetFiles, started: float) -> np.ndarray:
         per_file = []
-        for file in files.files:
-            key = hashlib.sha256(json.dumps([self._settings, file.digest]).encode()).hexdigest()[:32]
-            self.keys.append(key)
-            per_file.append(self._records(file, key))
+        try:
+            for file in files.files:
+                key = hashlib.sha256(json.dumps([self._settings, file.digest]).encode()).hexdigest()[:32]
+                self.keys.append(key)
+                per_file.append(self._records(file, key))
+        finally:
+            if self._pool is not None:  # one pool for every file of the pass: it takes seconds to start
+                self._pool.shutdown(cancel_futures=True)
         self.opened = time.perf_counter() - started - self.seconds
         return np.concatenate(per_file) if per_file else np.zeros(0, record_dtype(self._width))
 
@@ -264,25 +269,27 @@ class _Pass:
     def _chunks(self, file: RowFile, windows: list[tuple[int, int]]):
         """Each window's (records, strings), in order; on a pool of processes when the file is large."""
         processes = min(self.num_proc, len(windows))
-        if file.size < PARALLEL_FROM or processes < 2:
+        if self._pool is None and (file.size < PARALLEL_FROM or processes < 2):
             for start, stop in windows:
                 yield measure(file.window(start, stop), self.tokenization, self.tokenizer)
             return
-        self.processes = max(self.processes, processes)
-        context = multiprocessing.get_context("spawn")  # the driver may hold threads (Ray): never fork it
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker,
-                                                    initargs=(pickle.dumps(self.tokenizer), self.tokenization)) as pool:
-            pending = []
-            try:
-                for start, stop in windows:
-                    pending.append(pool.submit(_measure_in_worker, file.window(start, stop)))
-                    while len(pending) > 2 * processes:
-                        yield pending.pop(0).result()
-                while pending:
+        if self._pool is None:
+            self.processes = processes
+            context = multiprocessing.get_context("spawn")  # the driver may hold threads (Ray): never fork it
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                processes, mp_context=context, initializer=_start_worker,
+                initargs=(pickle.dumps(self.tokenizer), self.tokenization))
+        pending = []
+        try:
+            for start, stop in windows:
+                pending.append(self._pool.submit(_measure_in_worker, file.window(start, stop)))
+                while len(pending) > 2 * self.processes:
                     yield pending.pop(0).result()
-            finally:
-                for future in pending:
-                    future.cancel()
+            while pending:
+                yield pending.pop(0).result()
+        finally:
+            for future in pending:
+                future.cancel()
 
     def _recode(self, chunk: np.ndarray, strings: list[str]) -> np.ndarray:
         """A chunk's kind and reason codes, from its own strings to this pass's."""

@@ -121,16 +121,17 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path, tokenizer, cached):
 
 
 def test_the_parallel_pass_equals_one_process(tmp_path, tokenizer, monkeypatch):
-    """Chunks of 25 rows on a pool of 2 processes give the records of one process, and a bad row deep in the file
-    is named by its line from either."""
+    """Chunks of 25 rows on a pool of 2 processes give the records of one process, over two files, and a bad row
+    deep in a file is named by its line from either."""
     monkeypatch.setattr(prepared, "CHUNK_ROWS", 25)
     monkeypatch.setattr(prepared, "PARALLEL_FROM", 50)
     rows = sft_rows(120)
     rows[101] = {"prompt": "2+2=", "response": "   "}  # line 102: an empty response
     path = write(tmp_path / "train.jsonl", rows)
-    alone = prepared.select([path], tokenizer, SFTTokenization(), cache_dir=tmp_path / "c1", num_proc=1,
+    paths = [path, write(tmp_path / "more.jsonl", sft_rows(60, start=120))]  # one pool serves both files
+    alone = prepared.select(paths, tokenizer, SFTTokenization(), cache_dir=tmp_path / "c1", num_proc=1,
                             skip_bad_samples=True)
-    pooled = prepared.select([path], tokenizer, SFTTokenization(), cache_dir=tmp_path / "c2", num_proc=2,
+    pooled = prepared.select(paths, tokenizer, SFTTokenization(), cache_dir=tmp_path / "c2", num_proc=2,
                              skip_bad_samples=True)
     assert "2 processes" in pooled.notice
     assert (alone.records == pooled.records).all() and alone.strings == pooled.strings
