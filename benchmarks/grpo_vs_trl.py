@@ -334,6 +334,7 @@ def openpack_command(args, setup: dict, model: str, save_path: Path, extra: tupl
         "--micro_rollout_batch_size", str(args.prompts_per_step), "--num_episodes", "1",
         "--max_samples", str(args.prompts_per_step * args.steps),
         "--temperature", "1.0", "--learning_rate", str(args.learning_rate), "--lr_scheduler", "constant",
+        "--lr_warmup_ratio", "0", "--reward_clip_range", "None",  # TRL's: no warm-up, no clipping
         "--adam_betas", "0.9", "0.999", "--max_norm", "1.0", "--init_kl_coef", "0", "--loss_agg_mode", "token_mean",
         "--seed", str(args.seed), "--logging_steps", "1", "--save_path", str(save_path),
     ]

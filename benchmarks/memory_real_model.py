@@ -132,7 +132,9 @@ def samples_per_step(command: str, args) -> int:
 
 
 def openpack_command(command: str, args, setup: dict, save_path: Path) -> list[str]:
-    keys = ["--input_key", "prompt", "--output_key", "completion"] if command == "sft" else []
+    # SFT rows read by OpenRLHF's keys, prompts bare as TRL reads them (train_sft's default template is OpenRLHF's)
+    sft_keys = ["--input_key", "prompt", "--output_key", "completion", "--input_template", "None"]
+    keys = sft_keys if command == "sft" else []
     return [
         "-m", "openpack.cli.main", f"train_{command}",
         "--pretrain", str(setup["reward_model"] if command == "rm" else setup["model"]),

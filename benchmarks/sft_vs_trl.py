@@ -179,7 +179,8 @@ def openpack_command(args, setup: dict, save_path: Path) -> list[str]:
     return [
         "-m", "openpack.cli.main", "train_sft", "--launcher", "local",
         "--pretrain", str(setup["model"]), "--dataset", str(setup["openpack_data"]),
-        "--input_key", "prompt", "--output_key", "completion", "--packing_samples", "--use_dynamic_batch",
+        "--input_key", "prompt", "--output_key", "completion", "--input_template", "None",  # bare, as TRL's
+        "--packing_samples", "--use_dynamic_batch",
         "--max_tokens_per_gpu", str(setup["max_tokens"]), "--max_len", str(setup["row_cap"]),
         "--train_batch_size", str(args.samples_per_step), "--max_steps", str(args.steps),
         "--learning_rate", str(args.learning_rate), "--lr_scheduler", "constant", "--lr_warmup_ratio", "0",

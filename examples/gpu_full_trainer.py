@@ -190,11 +190,13 @@ def commands(s: Setup) -> list[Command]:
               "--lr_scheduler", "constant", "--lr_warmup_ratio", "0", "--packing_samples", "--use_dynamic_batch",
               "--max_tokens_per_gpu", str(16384 // s.scale)]
     offline = [*common, "--max_len", str(2048 // s.scale)]
-    sft = ["train_sft", *offline, "--dataset", str(s.sft_data), "--train_batch_size", "16"]
+    sft = ["train_sft", *offline, "--dataset", str(s.sft_data), "--train_batch_size", "16",
+           "--input_template", "None"]  # prompts bare, as the harness and TRL read them (the default is OpenRLHF's)
     pairs = [*offline, "--dataset", str(s.pairs), "--learning_rate", "1e-6"]
+    # rewards unclipped, as measured before RL's default became OpenRLHF's -10 10 (issue 41)
     rl = [*common, "--rollout_backend", "hf", "--prompt_data", str(s.prompts), "--apply_chat_template",
           "--prompt_max_len", "32", "--generate_max_len", str(max(8, 64 // s.scale)), "--rollout_batch_size", "8",
-          "--learning_rate", "1e-6", "--init_kl_coef", "0.01"]
+          "--learning_rate", "1e-6", "--init_kl_coef", "0.01", "--reward_clip_range", "None"]
     sampled = "its completions are sampled, so an fp32 CPU run trains on others (rollout vs trainer log-probs below)"
     rm_model = s.work / "rm_model"
     every = [

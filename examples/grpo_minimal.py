@@ -11,8 +11,8 @@ How it departs from the full trainer (``openpack/rl/``), whose numbers it reprod
 ``tests/integration/test_grpo_minimal.py`` checks that the first rollout batch's loss and grad norm equal
 ``openpack train_grpo --launcher local --rollout_backend hf``'s to 1e-5 (relative), same seed and flags.
 
-1. One process; no DeepSpeed, Ray or vLLM: plain ``torch.optim.AdamW`` at a constant learning rate (RL's
-   default schedule: no warmup), gradients clipped by ``clip_grad_norm_``; fp32.
+1. One process; no DeepSpeed, Ray or vLLM: plain ``torch.optim.AdamW`` at a constant learning rate (the
+   demo's schedule: no warmup), gradients clipped by ``clip_grad_norm_``; fp32.
 2. HF ``generate`` on the policy itself (``--rollout_backend hf``), so there are no weights to sync.
 3. One packed segment per completion; by default the trainer lays a prompt out once before its
    completions (``--prefix_sharing``, the same numbers).

@@ -132,6 +132,7 @@ def commands(model: pathlib.Path, data: dict, out: pathlib.Path) -> dict[str, li
                  "--apply_chat_template", "--label_key", "label", "--reward_fn", f"{data['reward']}:reward",
                  "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16",
                  "--generate_max_len", "16", "--learning_rate", "1e-4", "--rollout_backend", "vllm",
+                 "--lr_scheduler", "constant", "--lr_warmup_ratio", "0",  # RL's schedule before issue 41's defaults
                  "--save_path", str(out / "grpo"), *COMMON],
         "rm": ["train_rm", "--pretrain", str(model), "--dataset", str(data["pairs"]), "--apply_chat_template",
                "--max_len", "512", "--train_batch_size", "16", "--learning_rate", "1e-5",

@@ -23,7 +23,8 @@ from openpack.config.runner import TrainingCommand, run_training
 from openpack.config.schema import ConfigError
 from openpack.config.sections import LaunchConfig
 from openpack.config.sft import SFTRunConfig
-from openpack.orchestration.actor_groups import dpo_reference_group, engine_group, reward_groups, rl_reference_group
+from openpack.orchestration.actor_groups import (dpo_reference_group, engine_group, reward_groups, rl_reference_group,
+                                                 rl_teacher_group)
 from openpack.orchestration.launch import launch
 
 
@@ -54,15 +55,16 @@ def train_rm(cfg: RMRunConfig) -> int:
 
 
 def train_rl(cfg: PPORunConfig) -> int:
-    """Every rank runs ``run_ppo``; engines, reward models and the reference are actor groups where the flags and
-    the launcher place them so (``orchestration/actor_groups.py``)."""
+    """Every rank runs ``run_ppo``; engines, reward models, the reference and the teacher are actor groups where
+    the flags and the launcher place them so (``orchestration/actor_groups.py``)."""
     from openpack.rl.worker import plan_rl, run_ppo
 
     demo_model = demo_start(cfg)
     cfg = with_demo_reward_model(cfg, demo_model)
     return launch(run_ppo, cfg, {"demo_model": demo_model, "save_config": cfg.save},
                   functools.partial(plan_rl, cfg, demo_model=demo_model), engines=engine_group(cfg, demo_model),
-                  rewards=reward_groups(cfg), reference=rl_reference_group(cfg, demo_model))
+                  rewards=reward_groups(cfg), reference=rl_reference_group(cfg, demo_model),
+                  teacher=rl_teacher_group(cfg))
 
 
 def prepare_rl(cfg: PPORunConfig) -> PPORunConfig:
@@ -108,7 +110,7 @@ def with_demo_reward_model(cfg: PPORunConfig, demo_model: Path | None) -> PPORun
     """The PPO demo (a demo run with GAE and no reward given) is scored by the reward-model demo's model."""
     rl_cfg = cfg.rl
     if demo_model is None or rl_cfg.advantage_estimator != "gae" or rl_cfg.reward_pretrain or rl_cfg.reward_fn \
-            or rl_cfg.remote_rm_url:
+            or rl_cfg.remote_rm_url or rl_cfg.teacher_pretrain:  # a teacher without a reward: distillation alone
         return cfg
     return replace(cfg, rl=replace(rl_cfg, reward_pretrain=[str(demo_rm_model(cfg.launch, cfg.train.seed))]))
 

@@ -66,6 +66,11 @@ class DPOConfig:
                               "a separate reference group (--ref_num_nodes) would sit idle: drop one of them")
 
 
+@dataclass
+class DPOTrainConfig(PairTrainConfig):
+    learning_rate: float = arg(1e-5, "peak learning rate (AdamW; OpenRLHF's train_dpo default)", above=0)
+
+
 LOSS_HELP = "loss types (--loss_type; details and formulas in docs/dpo.md):\n" + "\n".join(
     f"  {name:<13} {LOSS_SUMMARIES[name]}" for name in sorted(PAIR_LOSSES))
 
@@ -76,7 +81,7 @@ class DPORunConfig(RunConfig):
 
     model: ModelConfig
     data: PreferenceDataConfig
-    train: PairTrainConfig
+    train: DPOTrainConfig
     output: OutputConfig
     dpo: DPOConfig
     launch: LaunchConfig

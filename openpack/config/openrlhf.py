@@ -64,6 +64,7 @@ class Twin:
     sets: tuple[str, ...]  # the openpack flags it may set
     meaning: str  # the table's openpack column: what it does here, and any value whose meaning differs
     translate: Translate
+    always: bool = False  # an accepted switch whose behaviour openpack always has: on, where OpenRLHF's is off
 
 
 def _values(flag: str, values: list[str], nargs: str) -> list[str]:
@@ -82,11 +83,12 @@ def same(name: str, flag: str, nargs: str = "1", meaning: str = "",
     return Twin(name, nargs, "sets", (flag,), meaning or f"`{flag}`", translate)
 
 
-def accepted(name: str, nargs: str, why: str) -> Twin:
-    """``name`` asks for what openpack does anyway (``why``): nothing to set, said at start."""
+def accepted(name: str, nargs: str, why: str, always: bool = False) -> Twin:
+    """``name`` asks for what openpack does anyway (``why``): nothing to set, said at start. ``always``: a switch
+    whose behaviour openpack has in every run (so its default is on, where OpenRLHF's is off)."""
     def translate(values: list[str], given: Given):
         return [], f"{name}{''.join(' ' + v for v in values)}: {why}"
-    return Twin(name, nargs, "accepted", (), f"accepted: {why}", translate)
+    return Twin(name, nargs, "accepted", (), f"accepted: {why}", translate, always)
 
 
 def missing(name: str, nargs: str, feature: str, off: tuple[str, ...] = (), fix: str = "") -> Twin:
@@ -112,6 +114,12 @@ def custom(name: str, nargs: str, sets: tuple[str, ...], meaning: str, translate
 def never_is_none(values: list[str]) -> list[str]:
     """OpenRLHF's -1 ("never") is openpack's none."""
     return ["None"] if values == ["-1"] else values
+
+
+def ring_attn_size() -> Twin:
+    """OpenRLHF's 1 (its default: no context parallelism) is openpack's none, which means the same."""
+    return same("--ds.ring_attn_size", "--ring_attn_size", convert=lambda v: ["None"] if v == ["1"] else v,
+                meaning="`--ring_attn_size` (1, no context parallelism, is none)")
 
 
 def comma_list(values: list[str]) -> list[str]:
@@ -217,7 +225,8 @@ def shared() -> list[Twin]:
              "its `model/` subfolder (OpenRLHF saves it in the folder itself)"),
         same("--ckpt.save_steps", "--save_steps", convert=never_is_none,
              meaning="`--save_steps`: -1 (never, but at the end) is none"),
-        accepted("--ckpt.save_hf", "0", "openpack saves a Hugging Face model folder with every checkpoint"),
+        accepted("--ckpt.save_hf", "0", "openpack saves a Hugging Face model folder with every checkpoint",
+                 always=True),
         missing("--ckpt.disable_ds", "0", "saving without DeepSpeed checkpoints (openpack keeps them to resume from)"),
         same("--logger.logging_steps", "--logging_steps"),
         same("--ckpt.path", "--ckpt_path"),
@@ -308,9 +317,9 @@ def sft() -> list[Twin]:
         *offline(), *held_out("train_sft"),
         same("--ds.use_liger_kernel", "--fused_loss", "0", meaning="`--fused_loss` (openpack's fused, chunked LM "
              "head and loss: Liger's fused linear cross-entropy, without its other kernels)"),
-        same("--ds.ring_attn_size", "--ring_attn_size"),
+        ring_attn_size(),
         missing("--model.pretrain_mode_enable", "0", "the pretraining loss on raw text rows"),
-        accepted("--data.multiturn", "0", "a conversation (--messages_key) trains every assistant turn"),
+        accepted("--data.multiturn", "0", "a conversation (--messages_key) trains every assistant turn", always=True),
         custom("--data.input_key", "1", ("--input_key", "--messages_key"), "`--input_key`; with "
                "`--data.apply_chat_template` and no `--data.output_key` (a whole conversation) `--messages_key`: "
                "every assistant turn trains (OpenRLHF without `--data.multiturn` trains the last message only)",
@@ -326,7 +335,7 @@ def pair_data() -> list[Twin]:
 
 def dpo() -> list[Twin]:
     return [
-        *offline(), *held_out("train_dpo"), *pair_data(), same("--ds.ring_attn_size", "--ring_attn_size"),
+        *offline(), *held_out("train_dpo"), *pair_data(), ring_attn_size(),
         same("--ds.use_liger_kernel", "--fused_loss", "0", meaning="`--fused_loss` (openpack's fused, chunked LM "
              "head and loss)"),
         same("--ref.offload", "--ref_offload", "0"),
@@ -349,9 +358,9 @@ def rm() -> list[Twin]:
         return ["--eval_steps", *never_is_none(values)], None
 
     return [
-        *offline(), *pair_data(), same("--ds.ring_attn_size", "--ring_attn_size"),
+        *offline(), *pair_data(), ring_attn_size(),
         same("--ds.value_head_prefix", "--value_head_prefix"),
-        accepted("--model.compute_fp32_loss_enable", "0", "openpack computes the reward loss in fp32"),
+        accepted("--model.compute_fp32_loss_enable", "0", "openpack computes the reward loss in fp32", always=True),
         same("--model.margin_loss_enable", "--margin_key", "0", convert=lambda _: ["margin"],
              meaning="`--margin_key margin` (OpenRLHF's margin column)"),
         custom("--model.loss_type", "1", ("--loss",), "`--loss` (sigmoid, logexp)", loss_type),
@@ -386,11 +395,9 @@ def rl_evaluation() -> list[Twin]:
         split("--eval.split", "--eval.dataset", "--eval_prompt_data"),
         custom("--eval.steps", "1", ("--eval_steps",), "`--eval_steps`: -1 is none (before and after training only)",
                eval_steps),
-        same("--eval.temperature", "--eval_temperature", meaning="`--eval_temperature` (OpenRLHF's default 0.6; "
-             "openpack's: greedy with one sample, else `--temperature`)"),
-        same("--eval.n_samples_per_prompt", "--eval_n_samples_per_prompt", meaning="`--eval_n_samples_per_prompt` "
-             "(OpenRLHF's default 4, openpack's 1); openpack's pass@k is the unbiased estimator, OpenRLHF's the "
-             "best of the n samples"),
+        same("--eval.temperature", "--eval_temperature"),
+        same("--eval.n_samples_per_prompt", "--eval_n_samples_per_prompt", meaning="`--eval_n_samples_per_prompt`: "
+             "openpack's pass@k is the unbiased estimator, OpenRLHF's the best of the n samples"),
         custom("--ckpt.best_metric_key", "1", ("--best_metric_key",), "`--best_metric_key`, named as openpack logs "
                "it (`eval/reward/pass@1`, not `eval_default_pass1`); empty or `none`: no best checkpoint",
                best_metric_key),
@@ -459,18 +466,25 @@ def dynamic_batch(values: list[str], given: Given):
 
 
 def max_len(values: list[str], given: Given):
+    """OpenRLHF 0.11: ``--data.max_len`` is a prompt's and its completion's budget together; with
+    ``--rollout.max_new_tokens N`` a completion gets N and the prompt the rest, without it a completion gets what
+    its prompt leaves (``max(1, max_len - prompt_len)``, ``utils/agent.py``); an agent's episode is cut at it."""
+    total = int(values[0])
     new_tokens = given.get("--rollout.max_new_tokens")
+    prompt_flags = []
     if new_tokens is not None:
-        prompt = int(values[0]) - int(new_tokens[0])
+        prompt = total - int(new_tokens[0])
         if prompt < 1:
             raise ConfigError(f"--data.max_len {values[0]} leaves no room for a prompt beside "
                               f"--rollout.max_new_tokens {new_tokens[0]}; raise it")
-        return ["--prompt_max_len", str(prompt)], None
-    if given.has("--train.agent_func_path"):
-        return ["--max_episode_tokens", values[0]], None
-    raise ConfigError(f"--data.max_len {values[0]} without --rollout.max_new_tokens: a completion budget that "
-                      "is what its prompt leaves of a shared total is not in openpack's single-turn rollouts; "
-                      "give --rollout.max_new_tokens N (then prompts are up to max_len - N tokens)")
+        prompt_flags = ["--prompt_max_len", str(prompt)]
+    if given.has("--train.agent_func_path"):  # OpenRLHF's agent turns each get what the episode has left of it
+        return ["--max_episode_tokens", values[0], *prompt_flags], None
+    if prompt_flags:
+        return prompt_flags, None
+    if total < 2:
+        raise ConfigError(f"--data.max_len {values[0]} leaves no room for a prompt and a completion; raise it")
+    return ["--max_len", values[0], "--prompt_max_len", str(total - 1), "--generate_max_len", values[0]], None
 
 
 def max_new_tokens(values: list[str], given: Given):
@@ -520,7 +534,7 @@ def rl() -> list[Twin]:
         accepted("--reward.num_gpus_per_node", "1", REWARD_PLACEMENT),
         accepted("--critic.num_nodes", "1", CRITIC_PLACEMENT),
         accepted("--critic.num_gpus_per_node", "1", CRITIC_PLACEMENT),
-        accepted("--train.colocate_actor_ref", "0", "the reference lives in the policy's ranks"),
+        accepted("--train.colocate_actor_ref", "0", "the reference lives in the policy's ranks", always=True),
         same("--actor.num_nodes", "--num_nodes"),
         same("--actor.num_gpus_per_node", "--num_gpus_per_node"),
         same("--train.colocate_critic_reward", "--colocate_critic_reward", "0"),
@@ -532,12 +546,12 @@ def rl() -> list[Twin]:
                "is `inhost` (weights through the host, not a gloo group)", sync_backend),
         accepted("--vllm.sync_with_ray", "0", "openpack's weight sync goes by --vllm.sync_backend (no Ray "
                  "collective group)"),
-        accepted("--vllm.enable_prefix_caching", "0", "openpack's vLLM engines cache prefixes"),
-        accepted("--vllm.enforce_eager", "0", "openpack's vLLM engines run eagerly (no CUDA graphs)"),
+        accepted("--vllm.enable_prefix_caching", "0", "openpack's vLLM engines cache prefixes", always=True),
+        accepted("--vllm.enforce_eager", "0", "openpack's vLLM engines run eagerly (no CUDA graphs)", always=True),
         accepted("--vllm.enable_sleep", "0", "with --train.colocate_all openpack puts vLLM to sleep while DeepSpeed "
-                 "trains (without it there is nothing to share)"),
+                 "trains (without it there is nothing to share)", always=True),
         accepted("--ds.enable_sleep", "0", "with --train.colocate_all openpack offloads DeepSpeed's states while "
-                 "vLLM generates"),
+                 "vLLM generates", always=True),
         same("--vllm.gpu_memory_utilization", "--vllm_gpu_memory_utilization"),
         custom("--algo.advantage.is_correction_enable", "0", ("--is_correction_type",),
                "`--is_correction_type tis` (OpenRLHF's default type), or the type given", is_correction_enable),
@@ -550,7 +564,7 @@ def rl() -> list[Twin]:
         same("--train.async_enable", "--async_train", "0"),
         custom("--train.async_queue_size", "1", ("--max_staleness",), "`--max_staleness` (rollout batches ahead), "
                "with `--train.async_enable`", async_queue_size),
-        missing("--train.partial_rollout_enable", "0", "partial rollouts (a generation spanning a weight update)"),
+        same("--train.partial_rollout_enable", "--partial_rollout", "0"),
         *rl_evaluation(),
         same("--actor.gradient_checkpointing_enable", "--gradient_checkpointing", "0"),
         missing("--actor.gradient_checkpointing_reentrant", "0", "reentrant activation checkpointing (openpack's is "
@@ -560,8 +574,9 @@ def rl() -> list[Twin]:
         missing("--ds.use_liger_kernel", "0", "Liger kernels in RL"),
         custom("--train.dynamic_batch_enable", "0", ("--packing_samples", "--use_dynamic_batch"),
                "`--packing_samples --use_dynamic_batch` (OpenRLHF turns packing on with it)", dynamic_batch),
-        like_train("--rollout.max_tokens_per_gpu", "1", ("--train.max_tokens_per_gpu", "--max_tokens_per_gpu"),
-                   "a token cap of the experience passes of its own"),
+        accepted("--rollout.max_tokens_per_gpu", "1", "openpack's experience passes (old policy, reference, critic) "
+                 "pack under the training cap, --train.max_tokens_per_gpu: the same numbers, in rows of that size "
+                 "(a speed and memory knob of OpenRLHF's forward-only passes" + UNUSED + ")"),
         same("--train.max_tokens_per_gpu", "--max_tokens_per_gpu"),
         same("--train.num_episodes", "--num_episodes"),
         same("--rollout.batch_size", "--rollout_batch_size"),
@@ -570,10 +585,11 @@ def rl() -> list[Twin]:
         same("--rollout.micro_batch_size", "--micro_rollout_batch_size", meaning="`--micro_rollout_batch_size` "
              "(prompts per HF generate call; OpenRLHF's batches the experience passes, which openpack batches as "
              "it trains)"),
-        custom("--data.max_len", "1", ("--prompt_max_len", "--max_episode_tokens"), "with "
-               "`--rollout.max_new_tokens N`: `--prompt_max_len` max_len - N (a longer prompt is left out and "
-               "counted; OpenRLHF cuts it from the left); with `--train.agent_func_path`: `--max_episode_tokens`; "
-               "alone refused (a completion budget shared with its prompt)", max_len),
+        custom("--data.max_len", "1", ("--max_len", "--prompt_max_len", "--generate_max_len", "--max_episode_tokens"),
+               "alone: `--max_len L --prompt_max_len L-1 --generate_max_len L` (a completion gets what its prompt "
+               "leaves of L); with `--rollout.max_new_tokens N`: `--prompt_max_len` L - N; with "
+               "`--train.agent_func_path`: `--max_episode_tokens` L (and that `--prompt_max_len`). A longer prompt is left out and counted "
+               "(OpenRLHF cuts it from the left)", max_len),
         custom("--rollout.max_new_tokens", "1", ("--generate_max_len",), "`--generate_max_len`", max_new_tokens),
         same("--actor.eps_clip", "--eps_clip"),
         same("--actor.eps_clip_low_high", "--eps_clip_low_high", "2"),
@@ -582,13 +598,13 @@ def rl() -> list[Twin]:
         same("--algo.advantage.lambd", "--lambd"),
         same("--algo.advantage.gamma", "--gamma"),
         accepted("--reward.normalize_enable", "0", "openpack scores with a reward model's saved mean and std "
-                 "whenever it has them (without this flag OpenRLHF does not)"),
+                 "whenever it has them (without this flag OpenRLHF does not)", always=True),
         same("--rollout.top_p", "--top_p"),
         same("--rollout.temperature", "--temperature"),
         same("--critic.freezing_steps", "--freezing_actor_steps", convert=lambda v: ["0"] if v == ["-1"] else v,
              meaning="`--freezing_actor_steps`: -1 (none) is 0"),
         same("--rollout.n_samples_per_prompt", "--n_samples_per_prompt"),
-        accepted("--critic.save_value_network", "0", "openpack saves the critic in <save_path>/critic"),
+        accepted("--critic.save_value_network", "0", "openpack saves the critic in <save_path>/critic", always=True),
         same("--algo.kl.target", "--target_kl"),
         same("--algo.kl.horizon", "--kl_horizon"),
         same("--algo.kl.init_coef", "--init_kl_coef"),
@@ -596,8 +612,8 @@ def rl() -> list[Twin]:
         same("--algo.kl.estimator", "--kl_estimator"),
         same("--actor.aux_loss_coef", "--aux_loss_coef", meaning="`--aux_loss_coef` (0: no MoE balancing loss)"),
         same("--actor.entropy_coef", "--entropy_coef", meaning="`--entropy_coef` (openpack logs the entropy always)"),
-        same("--reward.clip_range", "--reward_clip_range", "2", meaning="`--reward_clip_range` (not given, openpack "
-             "clips nothing; OpenRLHF clips to -10 10)"),
+        same("--reward.clip_range", "--reward_clip_range", "2", meaning="`--reward_clip_range` (with "
+             "`--per_turn_reward`, each turn's reward)"),
         *optimizer("actor", "--learning_rate"),
         missing("--critic.optim", "1", MUON, off=("adam",)),
         *[missing(f"--critic.muon.{name}", "0" if "nesterov" in name else "1", MUON)
@@ -616,7 +632,7 @@ def rl() -> list[Twin]:
         same("--reward.overlong_buffer_len", "--overlong_buffer_len", convert=_whole,
              meaning="`--overlong_buffer_len` (a whole number of tokens)"),
         same("--reward.overlong_penalty_factor", "--overlong_penalty_factor"),
-        missing("--reward.stop_properly_penalty_coef", "1", "ProRL's penalty for truncated completions"),
+        same("--reward.stop_properly_penalty_coef", "--stop_properly_penalty_coef"),
         missing("--ds.ring_attn_size", "1", "context parallelism in RL (train_sft, train_dpo and train_rm have it)",
                 off=("1",)),
         same("--actor.model_name_or_path", "--pretrain"),
@@ -687,6 +703,91 @@ def _table(twins: list[Twin]) -> dict[str, Twin]:
 TABLES = {"train_sft": _table(sft()), "train_dpo": _table(dpo()), "train_rm": _table(rm()),
           "train_ppo": _table(rl())}
 TABLES["train_grpo"] = TABLES["train_ppo"]
+
+
+# ---------------------------------------------------------------------------------------------- defaults
+
+# The OpenRLHF 0.11 defaults openpack keeps its own of, each with why (one line). Every other default is
+# OpenRLHF's (issue 41); test_openrlhf_flags.py compares both sides' defaults with this list, so a default that
+# comes to differ, on either side, fails there until it is adopted or given a reason here. docs/openrlhf.md shows it.
+WHY = {
+    "--ckpt.path": "none: `<save_path>/checkpoints`, so a run's checkpoints stay in its own folder, with its lock "
+                   "and manifests",
+    "--ds.param_dtype": "fp32 unless `--bf16`: openpack runs on a CPU by default (the demos, CI), where its runs "
+                        "and equality checks are fp32",
+    "--ds.attn_implementation": "`auto` takes flash-attn where it is installed and an exact kernel elsewhere; "
+                                "OpenRLHF's default stops without flash-attn",
+    "--model.aux_loss_coef": "none: the MoE config's own `router_aux_loss_coef`, so MoE models train with their "
+                             "balancing loss (0 leaves it out; docs/models.md)",
+    "--data.max_samples": "none reads every row; openpack's cap is over all datasets together, OpenRLHF's per "
+                          "dataset",
+    "--logger.wandb.project": "named after the tool, as OpenRLHF names its own",
+    "--logger.wandb.run_name": "none lets W&B name the run; a name from the launch time would change "
+                               "`config.yaml` on every resume",
+    "--ckpt.save_hf": "always: every checkpoint holds a Hugging Face model folder as well as the DeepSpeed state",
+    "--train.micro_batch_size": "1: a padded micro-batch pads each row to its longest; on ANCHORS' length mix 8 "
+                                "pairs compute 2.43x the real tokens, 1 pair 1.23x (docs/benchmarks.md); packed "
+                                "runs (`--use_dynamic_batch`) ignore it",
+    "--data.input_key": "`prompt`, TRL's key and the demos'; OpenRLHF's example scripts all name their key",
+    "--data.output_key": "`response`: OpenRLHF's none trains nothing outside its pretraining mode "
+                         "(`--model.pretrain_mode_enable`, refused here)",
+    "--data.multiturn": "always: a conversation trains every assistant turn (TRL's `assistant_only_loss`); one "
+                        "with a single answer at its end trains the same either way",
+    "--data.prompt_key": "`prompt`, TRL's key; a row without it holds two whole conversations whose shared start "
+                         "is the prompt (TRL's implicit prompt)",
+    "--model.compute_fp32_loss_enable": "always: the reward loss is computed in fp32 (two scalars a pair)",
+    "--actor.num_gpus_per_node": "1: a default that runs on any machine (one GPU, or a CPU); 8 needs an 8-GPU node",
+    "--vllm.num_engines": "`--rollout_backend auto`: one vLLM engine where vLLM imports, else HF generate; "
+                          "OpenRLHF's none turns vLLM off",
+    "--vllm.sync_backend": "`inhost` runs everywhere (the CPU path CI tests); the NCCL broadcast has not run on "
+                           "hardware yet (docs/rl.md)",
+    "--train.max_tokens_per_gpu": "none: a row cap from the model's size and the device's memory, logged at start "
+                                  "(docs/rl.md, Row cap)",
+    "--rollout.micro_batch_size": "another meaning: prompts per HF generate call (OpenRLHF's batches the "
+                                  "experience passes); 1 would generate one prompt at a time",
+    "--data.max_len": "none (`--max_len`): a prompt and its completion each have their own budget "
+                      "(`--prompt_max_len`, `--generate_max_len`, 1024 each), which the demos and tests are sized "
+                      "by; `--max_len L` is OpenRLHF's shared one",
+    "--rollout.max_new_tokens": "1024 (`--generate_max_len`): OpenRLHF's none gives a completion what its prompt "
+                                "leaves of `--data.max_len`, which openpack does under `--max_len`",
+    "--actor.aux_loss_coef": "none: the MoE config's own `router_aux_loss_coef`, so MoE models train with their "
+                             "balancing loss (0 leaves it out; docs/models.md)",
+    "--train.colocate_actor_ref": "always: the reference lives in the policy's ranks (no devices of its own; "
+                                  "results do not depend on placement)",
+    "--vllm.enable_prefix_caching": "always: the n completions of a prompt share its KV cache (vLLM's own default)",
+    "--vllm.enforce_eager": "always: no CUDA graphs, as OpenRLHF's own example scripts run its engines",
+    "--vllm.enable_sleep": "always under `--colocate_all_models`: vLLM sleeps while DeepSpeed trains, so the two "
+                           "fit on one device",
+    "--ds.enable_sleep": "always under `--colocate_all_models`: DeepSpeed's states leave the device while vLLM "
+                         "generates",
+    "--reward.normalize_enable": "always: a reward model's saved mean and std apply (`train_rm "
+                                 "--normalize_reward`); the PPO demo's reward model depends on it",
+    "--critic.save_value_network": "always: the critic is exported to `<save_path>/critic` at the end",
+}
+WHY_GRPO = {  # train_grpo is train_ppo with GRPO's defaults (config/rl.py); OpenRLHF has no such command
+    "--algo.advantage.estimator": "`group_norm`: train_grpo is critic-free (train_ppo's is OpenRLHF's `gae`)",
+    "--rollout.n_samples_per_prompt": "8: a GRPO group compares several completions of a prompt (train_ppo's is "
+                                      "OpenRLHF's 1)",
+    "--algo.kl.init_coef": "0, TRL's GRPO default: no reference model is loaded (train_ppo's is OpenRLHF's 0.01)",
+}
+OFFLINE_KEPT = ("--ckpt.path", "--ds.param_dtype", "--ds.attn_implementation", "--model.aux_loss_coef",
+                "--data.max_samples", "--logger.wandb.project", "--logger.wandb.run_name", "--ckpt.save_hf")
+KEPT_DEFAULTS: dict[str, dict[str, str]] = {  # command -> OpenRLHF 0.11 flag -> why openpack's default differs
+    command: {flag: WHY[flag] for flag in flags} for command, flags in {
+        "train_sft": (*OFFLINE_KEPT, "--train.micro_batch_size", "--data.input_key", "--data.output_key",
+                      "--data.multiturn"),
+        "train_dpo": (*OFFLINE_KEPT, "--train.micro_batch_size", "--data.prompt_key"),
+        "train_rm": (*OFFLINE_KEPT, "--data.prompt_key", "--model.compute_fp32_loss_enable"),
+        "train_ppo": ("--ckpt.path", "--ds.param_dtype", "--ds.attn_implementation", "--data.max_samples",
+                      "--logger.wandb.project", "--logger.wandb.run_name", "--ckpt.save_hf",
+                      "--actor.num_gpus_per_node", "--vllm.num_engines", "--vllm.sync_backend",
+                      "--train.max_tokens_per_gpu", "--rollout.micro_batch_size", "--data.max_len",
+                      "--rollout.max_new_tokens", "--actor.aux_loss_coef", "--data.input_key",
+                      "--train.colocate_actor_ref", "--vllm.enable_prefix_caching", "--vllm.enforce_eager",
+                      "--vllm.enable_sleep", "--ds.enable_sleep", "--reward.normalize_enable",
+                      "--critic.save_value_network"),
+    }.items()}
+KEPT_DEFAULTS["train_grpo"] = {**KEPT_DEFAULTS["train_ppo"], **WHY_GRPO}
 
 
 # ---------------------------------------------------------------------------------------------- translation

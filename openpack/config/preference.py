@@ -22,6 +22,7 @@ class PreferenceDataConfig(DatasetConfig):
                                      "$'User: {}\\nAssistant: ' (OpenRLHF's flag)")
     prefix_sharing: bool = arg(False, "pack each pair as one group prompt | chosen | rejected, the prompt computed "
                                "once, with the same results (needs --packing_samples; docs/dpo.md)")
+    max_len: int = arg(512, "max tokens per sequence (prompt + response; OpenRLHF's default for pairs)", at_least=2)
 
     def validate(self):
         check_template_flags(self.input_template, self.apply_chat_template)

@@ -1,9 +1,11 @@
 """``openpack train_ppo`` and ``openpack train_grpo``: online RL on packed experience, rollouts from vLLM or HF.
 
-One command with two defaults: ``train_grpo`` is ``train_ppo --advantage_estimator
-group_norm --n_samples_per_prompt 8``. With no ``--pretrain`` and no
-``--prompt_data`` each runs a built-in demo from the SFT demo model (trained
-first and cached), which answers the addition task right but wordily:
+One command with two sets of defaults: ``train_ppo`` is PPO with a critic and
+GAE, as OpenRLHF 0.11's ``train_ppo_ray``; ``train_grpo`` is ``train_ppo
+--advantage_estimator group_norm --n_samples_per_prompt 8 --init_kl_coef 0``,
+critic- and reference-free. With no ``--pretrain`` and no ``--prompt_data``
+each runs a built-in demo from the SFT demo model (trained first and cached),
+which answers the addition task right but wordily:
 ``train_grpo`` learns the bare form from the exact-match reward alone;
 ``train_ppo`` learns it from the reward-model demo's model (trained first and
 cached), with a critic and GAE. Held-out exact match is reported before and
@@ -16,7 +18,7 @@ paragraph above is both commands' ``--help`` description.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from openpack.config.schema import ConfigError, RunConfig, arg
@@ -66,8 +68,6 @@ class RLTrainConfig(TrainConfig):
                                 special={None: "every rollout batch of --num_episodes"})
     learning_rate: float = arg(1e-6, "peak learning rate of the policy (AdamW; OpenRLHF's --actor_learning_rate)",
                                above=0)
-    lr_warmup_ratio: float = arg(0.0, "share of optimizer steps spent warming up linearly", at_least=0, at_most=1)
-    lr_scheduler: str = arg("constant", "schedule after warmup", choices=["cosine", "linear", "constant"])
     max_tokens_per_gpu: int | None = arg(None, "token cap of a packed row under --use_dynamic_batch", at_least=2,
                                          special={None: "from the model's size and the device's memory, logged at "
                                                         "start (docs/rl.md, Row cap)"})
@@ -87,15 +87,18 @@ class RolloutConfig:
     vllm_num_engines: int = arg(1, "vLLM engines (Ray actors under --launcher ray; in rank 0's process otherwise)",
                                 at_least=1)
     vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine", at_least=1)
-    vllm_gpu_memory_utilization: float = arg(0.9, "share of a GPU's memory vLLM may take (weights + KV cache)",
+    vllm_gpu_memory_utilization: float = arg(0.95, "share of a GPU's memory vLLM may take (weights + KV cache)",
                                              above=0, at_most=1)
     vllm_sync_backend: str = arg("inhost", "how weights reach the engines: inhost (tensors through Ray or the "
                                  "process: works everywhere, the CPU path) or nccl (broadcast from rank 0 into the "
                                  "engines' GPUs: multi-node GPUs; not run on hardware yet)", choices=["inhost", "nccl"])
-    rollout_batch_size: int = arg(128, "prompts per rollout batch", at_least=1)
+    rollout_batch_size: int = arg(1024, "prompts per rollout batch", at_least=1)
     n_samples_per_prompt: int = arg(1, "completions sampled per prompt", at_least=1)
     micro_rollout_batch_size: int = arg(32, "prompts per generate call with --rollout_backend hf", at_least=1)
     generate_max_len: int = arg(1024, "most tokens a completion may have", at_least=1)
+    max_len: int | None = arg(None, "prompt + completion tokens at most: a completion may take what its prompt "
+                              "leaves, up to --generate_max_len (OpenRLHF's --max_len; 0.11's --data.max_len)",
+                              at_least=2, special={None: "no shared budget (--prompt_max_len + --generate_max_len)"})
     temperature: float = arg(1.0, "sampling temperature (log-probs are scored at temperature 1 either way)", above=0)
     top_p: float = arg(1.0, "nucleus sampling: the smallest set of tokens with this much probability", above=0,
                        at_most=1)
@@ -105,6 +108,9 @@ class RolloutConfig:
     max_staleness: int | None = arg(None, "with --async_train: rollout batches generated ahead of training, so the "
                                     "most policy versions between sampling a rollout and training on it (0: the "
                                     "synchronous loop)", at_least=0, special={None: "1 with --async_train"})
+    partial_rollout: bool = arg(False, "with --async_train: a weight update lands while vLLM generates, and the "
+                                "completions under way continue with the new weights (each token keeps the "
+                                "version that sampled it; docs/rl.md, Partial rollouts)")
     colocate_all_models: bool = arg(False, "policy, reference, reward models and vLLM share the training ranks' "
                                     "devices, taking turns: vLLM sleeps while DeepSpeed trains, DeepSpeed's states "
                                     "are offloaded while vLLM generates (docs/rl.md, Placement)")
@@ -113,22 +119,31 @@ class RolloutConfig:
     ref_num_nodes: int = arg(0, "the reference model (a KL needs one) in a Ray actor of its own, one process on "
                              "one node, which every rank asks for its share (train_dpo's flag)", at_least=0, at_most=1,
                              special={0: "in every training rank"})
+    teacher_num_nodes: int = arg(0, "the distillation teacher (--teacher_pretrain) in a Ray actor of its own, one "
+                                 "process on one node, which every rank asks for its share (as --ref_num_nodes)",
+                                 at_least=0, at_most=1, special={0: "in every training rank"})
 
     def validate(self):
         if self.max_staleness is not None and not self.async_train:  # it would be ignored: the loop is synchronous
             raise ConfigError(f"--max_staleness {self.max_staleness} bounds how far generation runs ahead of "
                               "training under --async_train, and this run is synchronous: add --async_train, or "
                               "drop --max_staleness")
+        if self.partial_rollout and not self.async_train:
+            raise ConfigError("--partial_rollout lets a weight update land in generation that runs beside training, "
+                              "and this run is synchronous: add --async_train, or drop --partial_rollout")
+        if self.partial_rollout and self.max_staleness == 0:
+            raise ConfigError("--partial_rollout with --max_staleness 0: no generation is under way when weights "
+                              "land, so nothing is partial; raise --max_staleness, or drop --partial_rollout")
 
 
 @dataclass
 class RLConfig:
-    advantage_estimator: str = arg("reinforce", "how rewards become advantages (docs/rl.md): group_norm (GRPO), "
+    advantage_estimator: str = arg("gae", "how rewards become advantages (docs/rl.md): group_norm (GRPO), "
                                    "dr_grpo, rloo, reinforce (REINFORCE++), reinforce_baseline, gae (PPO with a critic)",
                                    choices=[*ADVANTAGE_ESTIMATORS, "gae"])
-    init_kl_coef: float = arg(0.0, "KL(policy || reference) coefficient: in the reward per token, or with "
-                              "--use_kl_loss a loss term; 0 loads no reference model (TRL's default; "
-                              "OpenRLHF's is 0.01)", at_least=0)
+    init_kl_coef: float = arg(0.01, "KL(policy || reference) coefficient: in the reward per token, or with "
+                              "--use_kl_loss a loss term (OpenRLHF's default); 0: no KL term, and no reference "
+                              "model is loaded", at_least=0)
     kl_estimator: str = arg("k1", "per-token KL estimate (k1: d, k2: d^2/2, k3: e^-d - 1 + d)",
                             choices=list(KL_ESTIMATORS))
     use_kl_loss: bool = arg(False, "the KL is a loss term (GRPO) instead of a reward penalty")
@@ -168,6 +183,15 @@ class RLConfig:
                                 "take before the run stops naming it", at_least=0,
                                 special={0.0: "no limit; the function runs in the main thread"})
     ref_pretrain: str | None = arg(None, "reference model of the KL term; default: --pretrain")
+    teacher_pretrain: str | None = arg(None, "on-policy distillation: this model, which must share the policy's "
+                                       "tokenizer, scores the policy's own samples, and each sampled token's "
+                                       "advantage gains --distill_coef x (log teacher - log policy); alone when no "
+                                       "reward is given (docs/rl.md, On-policy distillation)",
+                                       special={None: "no distillation"})
+    distill_coef: float | None = arg(None, "weight of the teacher's per-token term in the advantages", above=0,
+                                     special={None: "1 with --teacher_pretrain"})
+    teacher_offload: bool = arg(False, "keep the teacher's parameters on the CPU (ZeRO-3 parameter offload; needs "
+                                "--zero_stage 3)")
     target_kl: float | None = arg(None, "adaptive KL controller (Ziegler et al.): the coefficient of the reward's KL "
                                   "penalty moves toward this KL per token", above=0,
                                   special={None: "--init_kl_coef stays fixed"})
@@ -176,12 +200,17 @@ class RLConfig:
                                             "prompt + completion; their saved normalisation applies")
     reward_weights: list[float] | None = arg(None, "weights of a sum over --reward_pretrain models",
                                              special={None: "1 each"})
-    reward_clip_range: list[float] | None = arg(None, "two values: rewards are clipped to [low, high], e.g. -10 10",
-                                                special={None: "no clipping"})
+    reward_clip_range: list[float] | None = arg([-10.0, 10.0], "two values: rewards (an episode's, or each turn's "
+                                                "with --per_turn_reward) are clipped to [low, high] (OpenRLHF's "
+                                                "default)", special={None: "no clipping"})
     overlong_buffer_len: int | None = arg(None, "DAPO's overlong penalty: completions longer than "
                                           "--generate_max_len minus this lose up to --overlong_penalty_factor",
                                           at_least=1, special={None: "off"})
     overlong_penalty_factor: float = arg(1.0, "the overlong penalty at --generate_max_len tokens", at_least=0)
+    stop_properly_penalty_coef: float | None = arg(None, "ProRL's penalty for a completion cut at its token budget "
+                                                   "(no stop token): its reward times this, in [0, 1], or a "
+                                                   "negative value as its reward", at_most=1,
+                                                   special={None: "off"})
     dynamic_filtering: bool = arg(False, "DAPO's dynamic sampling: groups whose completions all score the same (or "
                                   "whose mean is outside --dynamic_filtering_reward_range) are dropped and replaced")
     dynamic_filtering_reward_range: list[float] | None = arg(None, "two values: keep groups whose mean reward is "
@@ -230,6 +259,10 @@ class RLConfig:
             raise ConfigError(f"--dynamic_filtering_max_empty_steps {self.dynamic_filtering_max_empty_steps} stops a "
                               "run whose --dynamic_filtering keeps no group, and this run does not filter: add "
                               "--dynamic_filtering, or drop --dynamic_filtering_max_empty_steps")
+        if not self.teacher_pretrain and (self.distill_coef is not None or self.teacher_offload):
+            raise ConfigError(f"{'--distill_coef' if self.distill_coef is not None else '--teacher_offload'} "
+                              "shapes on-policy distillation, and this run has no teacher: add --teacher_pretrain "
+                              "PATH, or drop it")
         critic_only = ("critic_pretrain", "freezing_actor_steps")
         if self.advantage_estimator != "gae" and any(getattr(self, f) for f in critic_only):
             raise ConfigError(f"--critic_pretrain and --freezing_actor_steps need a critic: --advantage_estimator "
@@ -298,11 +331,12 @@ class EvalConfig:
                                        special={None: "no held-out evaluation"})
     eval_steps: int | None = arg(None, "evaluate every N rollout batches too", at_least=1,
                                  special={None: "before and after training only"})
-    eval_n_samples_per_prompt: int | None = arg(None, "completions (episodes) sampled per held-out prompt: pass@k "
-                                                "is logged for k = 1, 2, 4, ... and this n", at_least=1,
+    eval_n_samples_per_prompt: int | None = arg(4, "completions (episodes) sampled per held-out prompt: pass@k "
+                                                "is logged for k = 1, 2, 4, ... and this n (OpenRLHF's default)",
+                                                at_least=1,
                                                 special={None: "1"})
-    eval_temperature: float | None = arg(None, "sampling temperature of the evaluation (0: greedy, one sample a "
-                                         "prompt)", at_least=0,
+    eval_temperature: float | None = arg(0.6, "sampling temperature of the evaluation (0: greedy, one sample a "
+                                         "prompt; OpenRLHF's default)", at_least=0,
                                          special={None: "0 (greedy) with one sample a prompt, else --temperature"})
     eval_pass_threshold: float | None = arg(None, "a sample passes (is correct for pass@k) when its reward from a "
                                             "source is above this",
@@ -324,10 +358,12 @@ class EvalConfig:
         return 0.0 if self.samples == 1 else training
 
     def given(self) -> list[str]:
-        """The flags that shape an evaluation, as typed: refused without --eval_prompt_data (``rl_checks``; the
-        agent demo brings its own held-out prompts)."""
+        """The flags that shape an evaluation set away from their defaults: refused without --eval_prompt_data
+        (``rl_checks``; the agent demo brings its own held-out prompts)."""
+        defaults = {f.name: f.default for f in fields(self)}
         return [f"--{name}" for name in ("eval_steps", "eval_n_samples_per_prompt", "eval_temperature",
-                                          "eval_pass_threshold", "best_metric_key") if getattr(self, name) is not None]
+                                          "eval_pass_threshold", "best_metric_key")
+                if getattr(self, name) != defaults[name]]
 
     def validate(self):
         if self.eval_temperature == 0 and self.samples > 1:
@@ -345,6 +381,9 @@ class GRPORolloutConfig(RolloutConfig):
 class GRPOConfig(RLConfig):
     advantage_estimator: str = arg("group_norm", RLConfig.__dataclass_fields__["advantage_estimator"].metadata["help"],
                                    choices=[*ADVANTAGE_ESTIMATORS, "gae"])
+    init_kl_coef: float = arg(0.0, "KL(policy || reference) coefficient: in the reward per token, or with "
+                              "--use_kl_loss a loss term; 0 loads no reference model (TRL's GRPO default; "
+                              "train_ppo's is OpenRLHF's 0.01)", at_least=0)
 
 
 @dataclass

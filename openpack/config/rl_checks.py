@@ -7,6 +7,7 @@ tried here for the same reason.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from openpack.config.rl import PPORunConfig
 from openpack.config.schema import ConfigError
@@ -21,8 +22,11 @@ def check_rl_run(cfg: PPORunConfig) -> PPORunConfig:
     """Every check of an RL run, in order, and the config it runs: ``--prefix_sharing`` chosen where unset."""
     check_rl(cfg)
     cfg = with_prefix_sharing(cfg)
-    check_inputs(cfg.data.prompt_data, {"--pretrain": cfg.model.pretrain, "--ref_pretrain": cfg.rl.ref_pretrain},
+    check_inputs(cfg.data.prompt_data, {"--pretrain": cfg.model.pretrain, "--ref_pretrain": cfg.rl.ref_pretrain,
+                                        "--teacher_pretrain": cfg.rl.teacher_pretrain},
                  "--prompt_data", cfg.train.prefix_sharing)
+    if cfg.rl.teacher_pretrain:
+        check_teacher_tokenizer(cfg.model.pretrain, cfg.rl.teacher_pretrain)
     if cfg.evaluation.eval_prompt_data:
         check_inputs([cfg.evaluation.eval_prompt_data], {}, "--eval_prompt_data")
     from openpack.models.reward import check_reward_model
@@ -65,10 +69,12 @@ def check_rl(cfg: PPORunConfig) -> None:
         raise ConfigError("--prefix_sharing lays each prompt's completions out in one packed row under the token cap: "
                           "add --packing_samples --use_dynamic_batch, or drop --prefix_sharing")
     check_batch_split(train_cfg, launch_cfg)
+    check_shared_budget(cfg)
     longest = episode_budget(cfg)
     if train_cfg.packing_samples and train_cfg.use_dynamic_batch and train_cfg.max_tokens_per_gpu is not None \
             and longest > train_cfg.max_tokens_per_gpu:
         what = ("an episode can be {} tokens (--max_episode_tokens)" if cfg.agent.max_episode_tokens else
+                "a prompt and its completion can be {} tokens (--max_len)" if longest == rollout_cfg.max_len else
                 "a prompt and its completion can be {} tokens (--prompt_max_len + --generate_max_len)")
         raise ConfigError(f"{what.format(longest)}, more than --max_tokens_per_gpu {train_cfg.max_tokens_per_gpu}; "
                           "raise it or lower those")
@@ -84,9 +90,75 @@ def check_rl(cfg: PPORunConfig) -> None:
         raise ConfigError("--use_kl_loss with --init_kl_coef 0 adds nothing: set a coefficient, e.g. 0.001")
     if cfg.agent.enabled:
         check_agent(cfg)
-    else:
-        check_reward_file(rl_cfg.remote_rm_url)
+    check_reward_files(rl_cfg)
+    check_distillation(cfg)
     check_evaluation(cfg)
+
+
+def check_shared_budget(cfg: PPORunConfig) -> None:
+    """--max_len (a budget a completion shares with its prompt) leaves every prompt room for one token, and is for
+    single completions: an episode's budget is --max_episode_tokens."""
+    max_len, prompt_max_len = cfg.rollout.max_len, cfg.data.prompt_max_len
+    if max_len is None:
+        return
+    if cfg.agent.enabled:
+        raise ConfigError(f"--max_len {max_len} is the budget of a prompt and its single completion; an episode's "
+                          "is --max_episode_tokens: give that instead")
+    if prompt_max_len >= max_len:
+        raise ConfigError(f"--prompt_max_len {prompt_max_len} leaves a prompt no room for a completion within "
+                          f"--max_len {max_len}: give --prompt_max_len below it (prompts longer are left out), e.g. "
+                          f"{max_len - 1}")
+
+
+def check_distillation(cfg: PPORunConfig) -> None:
+    """--teacher_pretrain's placement flags, and what distillation alone (a teacher, no reward) cannot drive: a
+    critic, dynamic filtering or a held-out evaluation, which all read a task reward."""
+    from openpack.rl.rewards import distillation_only
+
+    model_cfg, rollout_cfg, rl_cfg = cfg.model, cfg.rollout, cfg.rl
+    if rollout_cfg.teacher_num_nodes and not rl_cfg.teacher_pretrain:
+        raise ConfigError("--teacher_num_nodes places the distillation teacher, and there is none: add "
+                          "--teacher_pretrain PATH, or drop --teacher_num_nodes")
+    if rollout_cfg.teacher_num_nodes and not (cfg.launch.launcher == "ray" and not launched_by_environment()):
+        raise ConfigError("--teacher_num_nodes puts the teacher in a Ray actor of its own: use --launcher ray, or "
+                          "drop it (the teacher then runs in every training rank)")
+    if rl_cfg.teacher_pretrain and Path(cfg.output.save_path).resolve() in \
+            [Path(rl_cfg.teacher_pretrain).resolve(), *Path(rl_cfg.teacher_pretrain).resolve().parents]:
+        raise ConfigError(f"--teacher_pretrain {rl_cfg.teacher_pretrain} lies inside --save_path "
+                          f"{cfg.output.save_path}, whose model this run replaces (the demo's --overwrite deletes "
+                          "it first): give this run another --save_path, e.g. runs/distill_demo")
+    if rl_cfg.teacher_offload and model_cfg.zero_stage != 3:
+        raise ConfigError("--teacher_offload needs --zero_stage 3 (the teacher's parameters are offloaded by "
+                          "ZeRO-3)")
+    if not distillation_only(rl_cfg, cfg.data, cfg.agent):
+        return
+    alone = "with --teacher_pretrain and no reward, the teacher's per-token term is the only signal"
+    if rl_cfg.advantage_estimator == "gae":
+        raise ConfigError(f"--advantage_estimator gae trains a critic on the task reward's returns, and {alone} "
+                          "(a critic of zero returns only adds noise): use group_norm or reinforce, or give a "
+                          "reward (--reward_fn, --remote_rm_url, --reward_pretrain or --label_key)")
+    if rl_cfg.dynamic_filtering:
+        raise ConfigError(f"--dynamic_filtering drops groups of equal rewards, and {alone} (every reward is 0): "
+                          "drop --dynamic_filtering, or give a reward")
+    if cfg.evaluation.eval_prompt_data:
+        raise ConfigError(f"--eval_prompt_data scores held-out samples with the run's reward, and {alone}: give "
+                          "a reward (--reward_fn, --remote_rm_url, --reward_pretrain or --label_key), or drop "
+                          "--eval_prompt_data")
+
+
+def check_teacher_tokenizer(pretrain: str | None, teacher: str) -> None:
+    """On-policy distillation scores the policy's token ids with the teacher: both tokenizers must give every id
+    the same meaning (``models.loading.tokenizer_difference``). ``pretrain`` None: the demo model's tokenizer."""
+    from openpack.data.demo_tokenizer import build_demo_tokenizer
+    from openpack.models.loading import load_tokenizer, tokenizer_difference
+
+    student = load_tokenizer(pretrain) if pretrain else build_demo_tokenizer()
+    difference = tokenizer_difference(student, load_tokenizer(teacher, "--teacher_pretrain"))
+    if difference:
+        policy = f"--pretrain {pretrain}" if pretrain else "the demo model"
+        raise ConfigError(f"--teacher_pretrain {teacher} does not share the tokenizer of {policy} ({difference}), "
+                          "and distillation scores the policy's token ids with the teacher: use a teacher "
+                          "trained with the policy's tokenizer, or a policy of the teacher's family")
 
 
 def check_evaluation(cfg: PPORunConfig) -> None:
@@ -107,17 +179,20 @@ def check_evaluation(cfg: PPORunConfig) -> None:
                               f"logs; choose one of: {', '.join(names)}")
 
 
-def check_reward_file(url: str | None) -> None:
-    """``--remote_rm_url file.py`` (OpenRLHF's reward_func file) is imported and its function checked here, so a
-    missing file, an import error or a wrong signature is one line before Ray, DeepSpeed or an engine starts (it
-    was a failed HTTP request at the first rollout batch)."""
-    from openpack.rl.rewards import RewardError, is_reward_file, load_openrlhf_reward
+def check_reward_files(rl_cfg) -> None:
+    """``--reward_fn path.py:function`` and ``--remote_rm_url file.py`` (OpenRLHF's reward_func file) are imported
+    and their functions checked here, so a missing file, an import error, a missing function or a wrong signature
+    is one line naming the flag, the file and the fix before Ray, DeepSpeed or an engine starts (it was an error
+    relayed from a rank at the first rollout batch)."""
+    from openpack.rl.rewards import RewardError, is_reward_file, load_openrlhf_reward, load_reward_fn
 
-    if is_reward_file(url):
-        try:
-            load_openrlhf_reward(url)
-        except RewardError as err:
-            raise ConfigError(str(err)) from err
+    try:
+        if rl_cfg.reward_fn:
+            load_reward_fn(rl_cfg.reward_fn, ("rm_scores",) if rl_cfg.reward_pretrain else ())
+        if is_reward_file(rl_cfg.remote_rm_url):
+            load_openrlhf_reward(rl_cfg.remote_rm_url)
+    except RewardError as err:
+        raise ConfigError(str(err)) from err
 
 
 def check_rollout_backend(cfg: PPORunConfig) -> None:
@@ -132,6 +207,10 @@ def check_rollout_backend(cfg: PPORunConfig) -> None:
     if correction and rollout_cfg.rollout_backend == "hf":
         raise ConfigError(f"{correction} corrects vLLM's sampling mismatch; with --rollout_backend hf the policy "
                           "samples itself: drop it")
+    if rollout_cfg.partial_rollout and backend == "hf":
+        raise ConfigError(f"--partial_rollout lands weights inside vLLM's generation; with --rollout_backend "
+                          f"{rollout_cfg.rollout_backend} (HF) the policy generates itself, never during an update: "
+                          "drop --partial_rollout, or use --rollout_backend vllm")
     if rollout_cfg.async_train and backend == "hf":
         raise ConfigError(f"--async_train overlaps vLLM's generation with training; with --rollout_backend "
                           f"{rollout_cfg.rollout_backend} (HF) the policy generates itself and nothing overlaps: "
@@ -167,17 +246,18 @@ def check_agent(cfg: PPORunConfig) -> None:
         raise ConfigError(f"--per_turn_reward discounts each turn's reward from its own token, which "
                           f"--advantage_estimator {rl_cfg.advantage_estimator} (one scalar per episode) cannot use: "
                           "use reinforce or gae, or drop --per_turn_reward")
-    if agent_cfg.per_turn_reward and (rl_cfg.overlong_buffer_len or rl_cfg.reward_clip_range):
-        raise ConfigError("--per_turn_reward credits the turns' own rewards: drop --overlong_buffer_len and "
-                          "--reward_clip_range, which shape an episode's one reward")
+    if agent_cfg.per_turn_reward and rl_cfg.overlong_buffer_len:
+        raise ConfigError("--per_turn_reward credits the turns' own rewards: drop --overlong_buffer_len, which "
+                          "shapes an episode's one reward")
     if rl_cfg.overlong_buffer_len:
         raise ConfigError(f"{flag}: --overlong_buffer_len penalises long single completions; bound episodes with "
                           "--max_episode_tokens and --max_turns instead")
     from openpack.rl.agents.environment import EnvFileError
+    from openpack.rl.rewards import RewardError
 
     try:
         _, tools = agent_environment(agent_cfg, rl_cfg.reward_fn, data_cfg.label_key)
-    except EnvFileError as err:
+    except (EnvFileError, RewardError) as err:  # RewardError: --tools' --reward_fn scorer
         raise ConfigError(str(err)) from err
     if tools and cfg.model.pretrain:
         check_shows_tools(cfg.model.pretrain, tools)
@@ -222,9 +302,10 @@ def check_colocation(rollout_cfg, world: int, backend: str) -> None:
     if backend != "vllm":
         raise ConfigError("--colocate_all_models colocates vLLM engines; with --rollout_backend hf the policy "
                           "already generates on its own devices: drop it, or use --rollout_backend vllm")
-    if rollout_cfg.ref_num_nodes:
-        raise ConfigError("--colocate_all_models keeps the reference model in the training ranks: drop "
-                          "--ref_num_nodes")
+    for flag in ("ref_num_nodes", "teacher_num_nodes"):
+        if getattr(rollout_cfg, flag, 0):
+            model = "reference model" if flag == "ref_num_nodes" else "distillation teacher"
+            raise ConfigError(f"--colocate_all_models keeps the {model} in the training ranks: drop --{flag}")
     if rollout_cfg.vllm_num_engines > world or rollout_cfg.vllm_tensor_parallel_size > 1:
         raise ConfigError(f"--colocate_all_models puts engine i on rank i's device: --vllm_num_engines "
                           f"{rollout_cfg.vllm_num_engines} must be at most the {world} rank(s), with "

@@ -53,12 +53,17 @@ class RewardConfig:
 
 
 @dataclass
+class RMTrainConfig(PairTrainConfig):
+    learning_rate: float = arg(9e-6, "peak learning rate (AdamW; OpenRLHF's train_rm default)", above=0)
+
+
+@dataclass
 class RMRunConfig(RunConfig):
     """Everything one ``openpack train_rm`` run is told, by section; what ``run_rm`` receives."""
 
     model: ModelConfig
     data: PreferenceDataConfig
-    train: PairTrainConfig
+    train: RMTrainConfig
     output: OutputConfig
     rm: RewardConfig
     launch: LaunchConfig

@@ -182,8 +182,9 @@ FUSED_LOSS_HELP = ("compute the LM head, the loss and their gradients in one pas
 
 @dataclass
 class OutputConfig:
-    save_path: str = arg("./runs/sft", "folder of one run: config.yaml, metrics.jsonl, loss.png, the final model "
-                         "(a new run into another run's folder is refused; see --load_checkpoint, --overwrite)")
+    save_path: str = arg("./ckpt", "folder of one run (OpenRLHF's default): config.yaml, metrics.jsonl, loss.png, "
+                         "the final model (a new run into another run's folder is refused; see --load_checkpoint, "
+                         "--overwrite)")
     save_steps: int | None = arg(None, "checkpoint every N steps (always at the end)", at_least=1,
                                  special={None: "a checkpoint at the end only"})
     ckpt_path: str | None = arg(None, "folder of DeepSpeed checkpoints; default <save_path>/checkpoints")

@@ -20,6 +20,7 @@ from openpack.config.sections import (FUSED_LOSS_HELP, DatasetConfig, LaunchConf
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "data" / "demo_configs" / "sft.yaml"
+INPUT_TEMPLATE = "User: {}\nAssistant: "  # OpenRLHF 0.11's train_sft default
 
 
 @dataclass
@@ -32,15 +33,25 @@ class DataConfig(DatasetConfig):
                             "with it is a conversation, whatever else it holds")
     conversation_loss: str = arg("assistant", "tokens of a conversation (--messages_key) trained on: the assistant "
                                  "turns (TRL's assistant_only_loss), or all of them", choices=["assistant", "all"])
-    input_template: str | None = arg(None, "text prompts become this with {} replaced by the prompt, e.g. "
-                                     "$'User: {}\\nAssistant: ' (OpenRLHF's flag)")
+    input_template: str | None = arg(INPUT_TEMPLATE, "text prompts read by --input_key become this with {} "
+                                     "replaced by the prompt (OpenRLHF's flag and default); not used with "
+                                     "--apply_chat_template, in conversations or in TRL's prompt/completion rows",
+                                     special={None: "prompts as they are"})
+
+    def prompt_template(self) -> str | None:
+        """The template text prompts get. Under --apply_chat_template, none when it is OpenRLHF's default, which
+        OpenRLHF leaves unused with the chat template (another template with it is refused, as in every command)."""
+        if self.apply_chat_template and self.input_template == INPUT_TEMPLATE:
+            return None
+        return self.input_template
 
     def validate(self):
-        check_template_flags(self.input_template, self.apply_chat_template)
+        check_template_flags(self.prompt_template(), self.apply_chat_template)
 
 
 @dataclass
 class SFTTrainConfig(TrainConfig):
+    max_epochs: int = arg(2, "passes over the data (OpenRLHF's train_sft default)", at_least=1)
     fused_loss: bool = arg(False, FUSED_LOSS_HELP)
     ring_attn_size: int | None = ring_attn_size_arg()
 

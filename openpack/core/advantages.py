@@ -48,6 +48,25 @@ response of ``length`` tokens, with expected = generate_max_len - buffer_len::
 
 0 up to ``expected``, linear down to -factor at generate_max_len. Dynamic
 sampling keeps only the groups whose rewards differ (``keep_groups``).
+
+ProRL v2's stop-properly penalty (NVIDIA 2025, as OpenRLHF 0.11 applies it after the overlong penalty and before
+clipping) for a response cut at its token budget instead of ending on a stop token::
+
+    reward = reward x coef     (truncated, coef in [0, 1]; 0: a truncated response earns nothing)
+    reward = coef              (truncated, coef < 0: a fixed penalty)
+
+On-policy distillation (Agarwal et al. 2024, GKD; Lu / Thinking Machines
+2025): a teacher nu scores the student's own sampled tokens, and each token's
+advantage gains ``coef x (log nu(y_t) - log pi(y_t))``, the negative
+single-sample (k1) estimate of the reverse KL(pi || nu) at that token's state,
+with pi the student before the update (the ratio's denominator). The term is
+the token's own, added after the estimator: not summed over later tokens
+(discount 0, as Thinking Machines and verl's policy-gradient distillation),
+not whitened, not grouped. Since E_{y~pi}[grad log pi(y)] = 0, its policy
+gradient at a state is exactly -coef x grad KL(pi(.|s_t) || nu(.|s_t)) there::
+
+    student logp  [-1.0, -2.0, -0.5]    teacher logp [-1.5, -1.0, -0.5]    coef 0.5
+    advantage    += [-0.25, 0.5, 0.0]
 """
 
 from __future__ import annotations
@@ -224,6 +243,15 @@ def kl_controller(init_kl_coef: float, target_kl: float | None,
     return AdaptiveKLController(init_kl_coef, target_kl, horizon)
 
 
+def distill_advantages(student_logp: Tensor, teacher_logp: Tensor, coef: float) -> Tensor:
+    """Each sampled token's distillation advantage [N] float32 (module docstring): ``coef x (teacher - student)``
+    from the two log-probs [N] of the tokens the student sampled, computed in float64."""
+    if student_logp.shape != teacher_logp.shape:
+        raise ValueError(f"student log-probs {tuple(student_logp.shape)} and teacher log-probs "
+                         f"{tuple(teacher_logp.shape)} must score the same tokens")
+    return (coef * (teacher_logp.double() - student_logp.double())).float()
+
+
 def overlong_penalty(lengths: Tensor, generate_max_len: int, buffer_len: int, factor: float) -> Tensor:
     """DAPO's soft overlong punishment [B] float32 of responses ``lengths`` [B] tokens long (module docstring)."""
     if not 1 <= buffer_len < generate_max_len:
@@ -231,6 +259,16 @@ def overlong_penalty(lengths: Tensor, generate_max_len: int, buffer_len: int, fa
                          f"generate_max_len ({generate_max_len})")
     excess = (lengths.double() - (generate_max_len - buffer_len)).clamp(0, buffer_len)
     return (-excess / buffer_len * factor).float()
+
+
+def stop_properly_penalty(rewards: Tensor, truncated: Tensor, coef: float) -> Tensor:
+    """ProRL's penalty (module docstring): ``rewards`` [B] with each truncated [B] bool response's reward scaled by
+    ``coef`` in [0, 1], or replaced by a negative ``coef``."""
+    if coef > 1:
+        raise ValueError(f"the stop-properly coefficient scales a reward by [0, 1] or, negative, replaces it; "
+                         f"got {coef}")
+    penalised = torch.full_like(rewards, coef) if coef < 0 else rewards * coef
+    return torch.where(truncated, penalised, rewards)
 
 
 def clip_rewards(rewards: Tensor, low_high: tuple[float, float] | None) -> Tensor:

@@ -14,9 +14,10 @@ TRL prompt/completion  ``prompt``, ``completion``                   the completi
 =====================  ===========================================  ==========================================
 
 Prompt and response are text or lists of ``{"role", "content"}`` messages.
-Text gets eos appended to the response and ``--input_template`` around the
-prompt (OpenRLHF's); ``--apply_chat_template`` makes it a user and an
-assistant turn. Messages are always rendered by the chat template.
+Text gets eos appended to the response and, in rows read by ``--input_key``,
+``--input_template`` around the prompt (OpenRLHF's); ``--apply_chat_template``
+makes it a user and an assistant turn. Messages are always rendered by the
+chat template.
 ``{"prompt": "1+2=", "response": "3"}`` with ``--apply_chat_template`` and
 the demo tokenizer becomes::
 
@@ -285,7 +286,8 @@ def _format_row(row: dict, source: str, index: int, tokenizer, keys: _Keys, loss
     if any(chat) or keys.apply_chat_template:
         texts = _chat_texts(tokenizer, as_turn(prompt, "user"), as_turn(response, "assistant"), source)
         return _Formatted(kind.format("chat"), source, index, texts=texts, chat=True)
-    prompt = fill_template(keys.input_template, prompt)
+    if prompt_flag == "--input_key":  # OpenRLHF's flag for OpenRLHF's keys; TRL's rows stay as TRL reads them
+        prompt = fill_template(keys.input_template, prompt)
     eos = tokenizer.eos_token
     if eos is not None and not response.endswith(eos):  # TRL appends the eos string to the completion
         response += eos

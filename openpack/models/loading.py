@@ -48,13 +48,32 @@ def load_model_config(pretrain: str, flag: str = "--pretrain"):
     return _from_pretrained(AutoConfig, pretrain, "config", flag)
 
 
-def load_tokenizer(pretrain: str):
+def load_tokenizer(pretrain: str, flag: str = "--pretrain"):
     from transformers import AutoTokenizer
 
-    tokenizer = _from_pretrained(AutoTokenizer, pretrain, "tokenizer")
+    tokenizer = _from_pretrained(AutoTokenizer, pretrain, "tokenizer", flag)
     if tokenizer.pad_token_id is None:  # padding is only used for the unpacked baseline and generation
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def tokenizer_difference(ours, theirs) -> str | None:
+    """Where two tokenizers give a token id different meanings, in a few words; None where they agree. Compared:
+    the vocabulary (every token and its id, added tokens included) and the special tokens other than padding
+    (bos, eos, unk and any extra ones; padding is never scored)."""
+    vocab, other = ours.get_vocab(), theirs.get_vocab()
+    if vocab != other:
+        moved = sum(1 for token in vocab.keys() & other.keys() if vocab[token] != other[token])
+        return (f"vocabularies of {len(vocab)} and {len(other)} tokens ({len(vocab.keys() - other.keys())} and "
+                f"{len(other.keys() - vocab.keys())} tokens of one only, {moved} shared tokens with other ids)")
+    for name in ("bos_token", "eos_token", "unk_token"):
+        if getattr(ours, name, None) != getattr(theirs, name, None):
+            return f"{name} {getattr(ours, name, None)!r} and {getattr(theirs, name, None)!r}"
+    specials = [set(t.all_special_tokens) - ({t.pad_token} - {t.bos_token, t.eos_token, t.unk_token})
+                for t in (ours, theirs)]  # a pad that is also eos stays: eos is scored
+    if specials[0] != specials[1]:
+        return f"special tokens {sorted(specials[0] - specials[1])} and {sorted(specials[1] - specials[0])}"
+    return None
 
 
 def load_causal_lm(pretrain: str, bf16: bool = False, gradient_checkpointing: bool = False, flag: str = "--pretrain",

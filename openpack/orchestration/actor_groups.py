@@ -1,5 +1,6 @@
-"""The actor groups a run asks the Ray launcher for beside its ranks: vLLM engines, a group per reward model and a
-reference (online RL), a reference group (train_dpo), and the reward actors ``openpack score`` scores on.
+"""The actor groups a run asks the Ray launcher for beside its ranks: vLLM engines, a group per reward model, a
+reference and a distillation teacher (online RL), a reference group (train_dpo), and the reward actors ``openpack
+score`` scores on.
 
 Each function reads the sections of a run config it needs (``cfg.rollout``, ``cfg.rl``...; orchestration sits
 under the config package and never imports it) and returns the spec ``ray_launcher.launch`` starts, or None where
@@ -29,7 +30,8 @@ def engine_group(cfg, demo_model) -> EngineGroupSpec | None:
         return None
     options = {"seed": cfg.train.seed, **vllm_options(rollout_cfg, model_cfg.bf16, cfg.output.save_path)}
     return EngineGroupSpec(model_cfg.pretrain or str(demo_model), rollout_cfg.vllm_num_engines,
-                           rollout_cfg.vllm_tensor_parallel_size, options, colocate=rollout_cfg.colocate_all_models)
+                           rollout_cfg.vllm_tensor_parallel_size, options, colocate=rollout_cfg.colocate_all_models,
+                           in_flight=rollout_cfg.partial_rollout)
 
 
 def reward_groups(cfg) -> list[ScorerGroupSpec] | None:
@@ -54,6 +56,16 @@ def rl_reference_group(cfg, demo_model) -> ReferenceGroupSpec | None:
     from openpack.rl.worker import build_rl_reference
 
     return ReferenceGroupSpec(build_rl_reference, (cfg, cfg.model.pretrain or str(demo_model)), 1, 1)
+
+
+def rl_teacher_group(cfg) -> ReferenceGroupSpec | None:
+    """--teacher_num_nodes 1: the distillation teacher in one actor of its own, placed as the reference is (the
+    checks refused this without --teacher_pretrain or a Ray driver)."""
+    if not cfg.rollout.teacher_num_nodes or not cfg.rl.teacher_pretrain or not is_ray_driver(cfg.launch):
+        return None
+    from openpack.rl.worker import build_rl_teacher
+
+    return ReferenceGroupSpec(build_rl_teacher, (cfg,), 1, 1)
 
 
 def dpo_reference_group(cfg, demo_model) -> ReferenceGroupSpec | None:

@@ -27,7 +27,8 @@ def launched_by_environment() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "CROSS_RANK" in os.environ
 
 
-def launch(worker, cfg, worker_kwargs: dict, planner, reference=None, engines=None, rewards=None) -> int:
+def launch(worker, cfg, worker_kwargs: dict, planner, reference=None, engines=None, rewards=None,
+           teacher=None) -> int:
     """Run ``worker(cfg, **worker_kwargs)`` on every rank with the launcher ``cfg.launch`` names (``cfg``: the
     command's run config, ``config/schema.py``'s ``RunConfig``).
 
@@ -36,7 +37,7 @@ def launch(worker, cfg, worker_kwargs: dict, planner, reference=None, engines=No
     launcher there is no driver: every process is a rank, plans for itself and trains on what it tokenized.
     ``reference`` (train_dpo with --ref_num_nodes) describes a separate reference actor group, ``engines``
     (online RL with vLLM) the rollout engine actors, ``rewards`` (online RL with reward models) one actor group
-    per model (Ray only).
+    per model, ``teacher`` (online RL with --teacher_num_nodes) the distillation teacher's actor (Ray only).
     """
     launch_cfg = cfg.launch
     if launched_by_environment():
@@ -54,7 +55,7 @@ def launch(worker, cfg, worker_kwargs: dict, planner, reference=None, engines=No
         return ray_launch(worker, (cfg,), worker_kwargs, [{"plan": plan} for plan in plans],
                           num_nodes=launch_cfg.num_nodes, num_gpus_per_node=launch_cfg.num_gpus_per_node,
                           num_cpus_per_worker=launch_cfg.num_cpus_per_worker, ray_address=address,
-                          reference=reference, engines=engines, rewards=rewards,
+                          reference=reference, engines=engines, rewards=rewards, teacher=teacher,
                           memory_advice=memory_advice(cfg.sections()))
 
     code, result = launch_command(run, launch_cfg.launcher)

@@ -17,6 +17,8 @@ ZeRO-3) and scores the packed micro-batches policy ranks send it, returning
 one log-prob sum per segment. Policy rank r is served by reference rank
 r mod M, and M must divide the policy world size, so every reference rank
 receives the same number of forwards (ZeRO-3's gathers are collective).
+Online RL's distillation teacher (``--teacher_num_nodes 1``) is placed the
+same way, as one actor of a group of its own.
 
 The driver's loop waits on the ranks 0.5 s at a time. Between waits it
 shows rank 0's console (rank 0's tracker sends its steps and messages to a
@@ -78,6 +80,7 @@ class EngineGroupSpec:
     tensor_parallel_size: int
     options: dict
     colocate: bool = False  # --colocate_all_models: engine i shares rank i's bundle (ENGINE_SHARE of it)
+    in_flight: bool = False  # --partial_rollout: weights land while the engines generate (``EngineGroup``)
 
 
 @dataclass
@@ -181,6 +184,10 @@ class _Reference(_Placed):
 
     def token_logprobs(self, batch):
         return self.scorer(batch).cpu()
+
+
+class _Teacher(_Reference):
+    """The distillation teacher's actor (online RL): a reference actor by another name, so a death names it."""
 
 
 class RemoteReference:
@@ -384,19 +391,24 @@ def default_cpus_per_worker(ranks_per_node: int) -> int:
 def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict], *, num_nodes: int,
            num_gpus_per_node: int, num_cpus_per_worker: int | None, ray_address: str | None = None,
            reference: ReferenceGroupSpec | None = None, engines: EngineGroupSpec | None = None,
-           rewards: list[ScorerGroupSpec] | None = None, memory_advice: str | None = None):
+           rewards: list[ScorerGroupSpec] | None = None, memory_advice: str | None = None,
+           teacher: ReferenceGroupSpec | None = None):
     """Run ``worker(*args, **kwargs, **rank_kwargs[rank])`` on every rank; returns rank 0's result.
 
     ``rewards`` (online RL): one actor group per reward model, each in its own placement group, handed to every
-    rank as ``reward_groups``. ``ray_address`` is ``cluster_address``'s answer; ``memory_advice`` (``lower --max_tokens_per_gpu 16384 (try
+    rank as ``reward_groups``; ``teacher`` (online RL's distillation teacher) a group like ``reference``, handed
+    to every rank as ``teacher_group``. ``ray_address`` is ``cluster_address``'s answer; ``memory_advice`` (``lower --max_tokens_per_gpu 16384 (try
     8192)``) is what a rank killed for memory is told. Raises ``Stopped`` on Ctrl-C or SIGTERM.
     """
     import ray
 
     world = num_nodes * num_gpus_per_node
-    ref_world = reference.num_nodes * reference.num_gpus_per_node if reference else 0
-    if ref_world and (ref_world > world or world % ref_world):
-        raise ValueError(f"{ref_world} reference ranks must divide the {world} policy ranks")
+    frozen = {name: (spec, spec.num_nodes * spec.num_gpus_per_node)
+              for name, spec in (("reference", reference), ("teacher", teacher)) if spec is not None}
+    for name, (_, ranks) in frozen.items():
+        if ranks > world or world % ranks:
+            raise ValueError(f"{ranks} {name} ranks must divide the {world} policy ranks")
+    ref_world = sum(ranks for _, ranks in frozen.values())
     if engines is not None and engines.num_engines > 1:  # each engine holds a model and its KV cache
         fewer = f"fewer --vllm_num_engines than {engines.num_engines}"
         memory_advice = f"{memory_advice}, or {fewer}" if memory_advice else fewer
@@ -409,16 +421,17 @@ def launch(worker: Callable, args: tuple, kwargs: dict, rank_kwargs: list[dict],
                     (engines.num_engines if own_engines else 0), stop, session)
         if own_engines:  # first: an engine loads its model while the ranks start
             kwargs = {**kwargs, "engine_group": _start_engines(session, engines, stop)}
-        sharing = num_gpus_per_node + (reference.num_gpus_per_node if reference else 0)
+        sharing = num_gpus_per_node + sum(spec.num_gpus_per_node for spec, _ in frozen.values())
         cpus = num_cpus_per_worker or default_cpus_per_worker(sharing + scorers +
                                                               (engines.num_engines if own_engines else 0))
         if rewards:
             kwargs = {**kwargs, "reward_groups": [_start_scorers(session, spec, cpus, stop) for spec in rewards]}
-        if reference:
-            ref_actors, ref_nodes = session.start_group(_Reference, "reference", ref_world, cpus, stop)
-            _get([a.setup.remote(env, reference.build, reference.args)
+        for name, (spec, ranks) in frozen.items():
+            ref_actors, ref_nodes = session.start_group(_Teacher if name == "teacher" else _Reference, name, ranks,
+                                                        cpus, stop)
+            _get([a.setup.remote(env, spec.build, spec.args)
                   for a, env in zip(ref_actors, _rank_envs(ref_actors, ref_nodes, cpus, stop))], stop)
-            kwargs = {**kwargs, "reference_group": ReferenceGroup(ref_actors)}
+            kwargs = {**kwargs, f"{name}_group": ReferenceGroup(ref_actors)}
         if engines is not None and engines.colocate:  # the engines load (and sleep) before the ranks take memory
             group = session.reserve("rank", world, cpus)
             kwargs = {**kwargs, "engine_group": _start_engines(session, engines, stop, group)}
@@ -461,11 +474,12 @@ class _Session:
             stop_watchdog(self.watchdog)
 
     def start_group(self, cls, name: str, world: int, cpus: int, stop: StopSignals, init_args: tuple = (),
-                    gpus_per_actor: int = 1, init_kwargs: dict | None = None):
+                    gpus_per_actor: int = 1, init_kwargs: dict | None = None, class_options: dict | None = None):
         """``world`` actors of ``cls(*init_args, **init_kwargs)``, one per bundle of a new placement group; prints where
-        each runs (waiting for every constructor)."""
+        each runs (waiting for every constructor). ``class_options``: ``ray.remote``'s for the class (concurrency
+        groups)."""
         group = self.reserve(name, world, cpus, gpus_per_actor)
-        return self.place(cls, name, group, world, stop, init_args, init_kwargs)
+        return self.place(cls, name, group, world, stop, init_args, init_kwargs, class_options=class_options)
 
     def reserve(self, name: str, world: int, cpus: int, gpus_per_actor: int = 1):
         """A placement group of ``world`` bundles of ``cpus`` CPUs and, where the cluster has enough, GPUs."""
@@ -480,14 +494,14 @@ class _Session:
         return group
 
     def place(self, cls, name: str, group, count: int, stop: StopSignals, init_args: tuple = (),
-              init_kwargs: dict | None = None, share: float = 1.0):
+              init_kwargs: dict | None = None, share: float = 1.0, class_options: dict | None = None):
         """``count`` actors on bundles 0.. of ``group``, each claiming ``share`` of its bundle's CPUs and GPUs
         (less than 1 where two actors share a bundle: ``--colocate_all_models``)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         _get([group.ready()], stop)
-        remote = ray.remote(cls)
+        remote = ray.remote(**class_options)(cls) if class_options else ray.remote(cls)
         for index in range(count):
             bundle = group.bundle_specs[index]
             self.actors.append(remote.options(
@@ -505,7 +519,7 @@ class _Session:
 def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals, ranks=None):
     """The engine actors, ready (model loaded), as the ``EngineGroup`` every rank is handed. ``ranks``: the ranks'
     placement group, for colocated engines (engine i on rank i's bundle, asleep until the first generation)."""
-    from openpack.rollout.engine_group import EngineGroup
+    from openpack.rollout.engine_group import EngineGroup, engine_actor_options
     from openpack.rollout.interface import EngineStartError, last_error_line
     from openpack.rollout.vllm_engine import VLLMEngine
 
@@ -518,8 +532,9 @@ def _start_engines(session: _Session, spec: EngineGroupSpec, stop: StopSignals, 
     try:
         if ranks is None:
             actors, _ = session.start_group(_Engine, "vllm engine", spec.num_engines, 1, stop, (spec.model_path,),
-                                            spec.tensor_parallel_size, init_kwargs)
-            return EngineGroup(actors, remote=True)
+                                            spec.tensor_parallel_size, init_kwargs,
+                                            class_options=engine_actor_options(spec.in_flight))
+            return EngineGroup(actors, remote=True, in_flight=spec.in_flight)
         actors, _ = session.place(_Engine, "vllm engine", ranks, spec.num_engines, stop, (spec.model_path,),
                                   init_kwargs, share=ENGINE_SHARE)
     except ray.exceptions.RayActorError as error:  # the constructor raised: its traceback is in the error's text
@@ -609,8 +624,9 @@ def _failure(errors: dict, nodes: list[str], oom_before: int | None, memory_advi
                                  f"{_memory_kill(text, memory_advice)}; the last checkpoint is intact: "
                                  "rerun with --load_checkpoint to resume")
     rank, err = min(errors.items())
-    if isinstance(err.cause, ray.exceptions.RayActorError):  # a rank lost its reference actor
-        return RankDiedError(f"ray: a reference actor died ({err.cause}); the last checkpoint is intact: "
+    if isinstance(err.cause, ray.exceptions.RayActorError):  # a rank lost its reference (or teacher) actor
+        who = "a teacher actor" if "_Teacher" in str(err.cause) else "a reference actor"
+        return RankDiedError(f"ray: {who} died ({err.cause}); the last checkpoint is intact: "
                              "rerun with --load_checkpoint to resume")
     return err.cause if err.cause is not None else err
 
@@ -637,7 +653,8 @@ def _how_rank_died(rank: int, node: str, err, oom_before: int | None, memory_adv
             "rerun with --load_checkpoint to resume")
 
 
-_ROLES = {"_Rank": "a rank actor", "_Reference": "a reference actor", "_Scorer": "a reward model actor",
+_ROLES = {"_Rank": "a rank actor", "_Reference": "a reference actor", "_Teacher": "a distillation teacher actor",
+          "_Scorer": "a reward model actor",
           "_Engine": "a vLLM engine", "_Inbox": "rank 0's console inbox"}
 
 

@@ -28,7 +28,13 @@ class Rollouts:
     behaviour: list[list[float]]  # the engine's log-prob of each completion token
     finished: list[bool]
     rewards: list[float] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # a reward file's own ``scores`` (OpenRLHF's), what
+    # --dynamic_filtering tests (empty: the rewards)
+    reward_logs: list[dict[str, float]] = field(default_factory=list)  # a reward file's ``extra_logs`` of each sample
     versions: list[int] = field(default_factory=list)  # the policy version (weight syncs so far) that sampled each
+    # sample's first token (its oldest: a partial rollout's later tokens may be newer)
+    token_versions: list[list[int]] = field(default_factory=list)  # [B][trained tokens] the version that sampled
+    # each, like ``behaviour`` (empty: every token of sample k by versions[k])
     # multi-turn episodes only (empty otherwise):
     targets: list[list[bool]] = field(default_factory=list)  # [B][len(completion)] True: sampled, trained
     env_rewards: list[float] = field(default_factory=list)  # the environment's reward of each episode (its turns')
@@ -55,6 +61,10 @@ class Rollouts:
         if self.targets:
             return [sum(mask) for mask in self.targets]
         return [len(c) for c in self.completion_tokens]
+
+    def sampled_by(self, k: int) -> list[int]:
+        """The policy version that sampled each trained token of sample ``k`` (``--partial_rollout``: several)."""
+        return self.token_versions[k] if self.token_versions else [self.versions[k]] * len(self.behaviour[k])
 
     def select(self, indices) -> "Rollouts":
         """The samples at ``indices``, in that order (rewards too, once set)."""
@@ -141,6 +151,15 @@ class Units:
         return [k for u in ids for k in self.members[u]]
 
 
+def sampling_versions(labels: list[int | None] | None, length: int, asked: int) -> list[int]:
+    """The policy version that sampled each of ``length`` tokens, from an engine's labels (``Completion.versions``,
+    where a weight update landed while they were sampled: ``--partial_rollout``); a token without one was sampled
+    by the weights the batch was asked with, policy version ``asked`` (in order: ``InOrder``, Ray's call order)."""
+    if labels is None:
+        return [asked] * length
+    return [asked if v is None else v for v in labels]
+
+
 def shared_rollouts(local: Rollouts | None, dist: DistInfo, generated_on_all_ranks: bool) -> Rollouts:
     """The whole rollout batch on every rank: every rank's share gathered in prompt order (HF), or rank 0's
     (vLLM engines) broadcast."""
@@ -150,9 +169,17 @@ def shared_rollouts(local: Rollouts | None, dist: DistInfo, generated_on_all_ran
 
 
 def rollout_metrics(rollouts: Rollouts) -> dict:
-    """Reward and response-length statistics of a rollout batch (TRL's and OpenRLHF's names)."""
+    """Reward and response-length statistics of a rollout batch (TRL's and OpenRLHF's names), and the means of
+    what a reward file reported beside its rewards: ``reward/score``, ``reward/extra/<name>`` (each over the samples
+    that reported it, as OpenRLHF logs its ``extra_logs``)."""
     rewards = torch.tensor(rollouts.rewards, dtype=torch.float64)
     lengths = torch.tensor(rollouts.response_lengths(), dtype=torch.float64)
-    return {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-            "response_length/truncated": 1.0 - sum(rollouts.finished) / len(rollouts.finished)}
+    metrics = {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+               "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+               "response_length/truncated": 1.0 - sum(rollouts.finished) / len(rollouts.finished)}
+    if rollouts.scores:
+        metrics["reward/score"] = sum(rollouts.scores) / len(rollouts.scores)
+    for name in sorted({name for logs in rollouts.reward_logs for name in logs}):
+        values = [logs[name] for logs in rollouts.reward_logs if name in logs]
+        metrics[f"reward/extra/{name}"] = sum(values) / len(values)
+    return metrics

@@ -1,10 +1,16 @@
 """How a rollout batch becomes experience (``make_experience``): per-token log-probs of the old policy, the reference
-and the critic's values, each scored in one packed pass shared across ranks, then advantages (and returns) per
-completion token, handed to the update as one typed ``Experience``.
+and the teacher (``--teacher_pretrain``), and the critic's values, each scored in one packed pass shared across
+ranks, then advantages (and returns) per completion token, handed to the update as one typed ``Experience``.
+
+Every scorer reads the same packed rows, laid out as the update lays them (``Units``: one segment per completion,
+or with ``--prefix_sharing`` a prompt then its completions), and its values are read back at the completions' own
+trained tokens by the loss mask, so a distillation term pairs the teacher's and the student's log-probs of one
+token whatever the packing.
 
 The old policy's log-probs are computed in their own pass only when they differ from the update's own (several
-updates per rollout, a KL penalty in the reward, or an asynchronous rollout): with one update per rollout the
-ratio's denominator is the first forward's log-probs, detached, as TRL does for ``num_iterations=1``.
+updates per rollout) or are needed before it (a KL penalty in the reward, a distillation teacher's reverse KL;
+``RLSettings.needs_old_pass``): with one update per rollout the ratio's denominator is the first forward's
+log-probs, detached, as TRL does for ``num_iterations=1``.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from openpack.core.advantages import gae, kl, sequence_advantages, token_returns, token_rewards, whiten, whitens
+from openpack.core.advantages import (clip_rewards, distill_advantages, gae, kl, sequence_advantages, token_returns,
+                                      token_rewards, whiten, whitens)
 from openpack.core.batch import PackedBatch, host_to_device
 from openpack.core.schedule import plan_scoring
 from openpack.distributed.process import DistInfo, all_gather_objects
@@ -55,6 +62,7 @@ class Scorers:
 
     old: Scorer | None = None  # the policy before its updates (``RLSettings.needs_old_pass``)
     ref: Scorer | None = None  # the reference model (a KL term)
+    teacher: Scorer | None = None  # on-policy distillation's teacher (``--teacher_pretrain``)
     values: Scorer | None = None  # the critic (GAE)
 
     def given(self) -> dict[str, Scorer]:
@@ -72,13 +80,16 @@ class Experience:
     lengths: list[int]  # trained tokens of each completion
     behaviour: list[torch.Tensor]  # the sampler's log-probs
     advantages: list[torch.Tensor]
+    versions: list[torch.Tensor] | None = None  # the policy version that sampled each token (int64; None: unknown)
     old: dict[int, torch.Tensor] | None = None  # the policy's before the update (None: the update's own, detached)
     ref: dict[int, torch.Tensor] | None = None
+    teacher: dict[int, torch.Tensor] | None = None  # the distillation teacher's
     values: dict[int, torch.Tensor] | None = None  # the critic's at rollout time
     returns: list[torch.Tensor] | None = None  # the critic's targets
 
     def metrics(self, kl_estimator: str) -> dict[str, float]:
-        """The advantages' mean and spread, the returns' mean, and the KL of the old policy to the reference."""
+        """The advantages' mean and spread, the returns' mean, the KL of the old policy to the reference, and with a
+        teacher the student's reverse KL to it (k1, the mean over completion tokens of log pi - log nu)."""
         flat = torch.cat(self.advantages)
         metrics = {"advantages/mean": flat.mean().item(),
                    "advantages/std": flat.std().item() if flat.numel() > 1 else 0.0}
@@ -87,6 +98,9 @@ class Experience:
         if self.ref is not None and self.old is not None:
             metrics["kl"] = torch.cat([kl(self.old[k], self.ref[k], kl_estimator)
                                        for k in range(len(self.lengths))]).mean().item()
+        if self.teacher is not None:
+            metrics["distill/reverse_kl"] = torch.cat([kl(self.old[k], self.teacher[k])
+                                                       for k in range(len(self.lengths))]).mean().item()
         return metrics
 
 
@@ -96,12 +110,14 @@ def make_experience(rollouts: Rollouts, scorers: Scorers, settings: RLSettings, 
     same on every rank."""
     units = Units(rollouts, settings.prefix_sharing, settings.n_samples_per_prompt, settings.max_tokens_per_gpu)
     scored = score_share(units, scorers.given(), settings.max_tokens_per_gpu, dist)
-    old, ref, values = scored.get("old"), scored.get("ref"), scored.get("values")
-    per_token, returns = advantages(rollouts, settings, old, ref, values)
+    old, ref, teacher, values = scored.get("old"), scored.get("ref"), scored.get("teacher"), scored.get("values")
+    per_token, returns = advantages(rollouts, settings, old, ref, values, teacher)
     return Experience(rollouts=rollouts, units=units,
                       batcher=MicroBatcher(units.segments, settings.packing_samples, pad_token_id),
                       lengths=rollouts.response_lengths(), behaviour=[torch.tensor(b) for b in rollouts.behaviour],
-                      advantages=per_token, old=old, ref=ref, values=values, returns=returns)
+                      versions=[torch.tensor(rollouts.sampled_by(k), dtype=torch.int64) for k in range(rollouts.size)]
+                      if rollouts.versions else None,
+                      advantages=per_token, old=old, ref=ref, teacher=teacher, values=values, returns=returns)
 
 
 @torch.no_grad()
@@ -128,9 +144,21 @@ def score_share(units: Units, scorers: dict, max_tokens: int, dist: DistInfo) ->
 
 
 def advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, ref: dict | None,
-               values: dict | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+               values: dict | None = None,
+               teacher: dict | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Each completion's per-token advantages, and with a critic its per-token returns (the value targets); the
-    same computation on every rank, which holds the whole batch."""
+    same computation on every rank, which holds the whole batch. With a teacher, each token's distillation term
+    is added to the estimator's advantage (``core.advantages.distill_advantages``); the critic's returns stay the
+    task's."""
+    task, returns = task_advantages(rollouts, settings, old, ref, values)
+    if not settings.distills:
+        return task, returns
+    return [a + distill_advantages(old[k], teacher[k], settings.distill_coef) for k, a in enumerate(task)], returns
+
+
+def task_advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, ref: dict | None,
+                    values: dict | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The estimator's per-token advantages from the rewards (and the KL penalty), and the critic's returns."""
     lengths = rollouts.response_lengths()
     segment_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     penalty = None
@@ -140,6 +168,7 @@ def advantages(rollouts: Rollouts, settings: RLSettings, old: dict | None, ref: 
     outcome = torch.tensor(rollouts.rewards)
     if settings.per_turn_reward:  # episodes: each turn's reward on its last sampled token, none as the outcome
         credit = torch.tensor([x for turns in rollouts.turn_credit for x in turns], dtype=torch.float64)
+        credit = clip_rewards(credit, settings.reward_clip_range)  # each turn's reward, as an episode's is clipped
         penalty = credit if penalty is None else penalty.double() + credit
         outcome = torch.zeros_like(outcome)
     if settings.critic:

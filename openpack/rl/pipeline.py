@@ -12,10 +12,22 @@ sampled by version v - N (the ratio's denominator then comes from a scoring pass
 vLLM log-probs feed the TIS correction as before). Ordering is what makes the versions exact: a Ray actor runs
 its calls in order, so a weight update queued after a generation waits for it; in-process engines get the same
 rule from one worker thread (``generation.InOrder``).
+
+Partial rollouts (``--partial_rollout``; OpenRLHF's ``--train.partial_rollout_enable``, NeMo-RL's in-flight weight
+updates): the update does not wait. The engines pause between two sampling steps, keeping the completions under
+way, take the new weights and resume (``landing``), so a completion may hold tokens of two or more versions::
+
+    partial (N = 1)  gen 0 | train 0              | sync | train 1 ...
+                           | gen 1: v0 tokens ... | v1 tokens ... (continued, not thrown away)
+
+Each token keeps the version that sampled it and its behaviour log-prob under that version's weights
+(``Rollouts.token_versions``), so the rollout corrections weigh every token by its own sampler; a sample's
+``versions`` entry (staleness, the ``--max_staleness`` bound) is its first token's, the oldest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -48,9 +60,9 @@ class RolloutPipeline:
     """
 
     def __init__(self, generator: Generator, prompts: list[Prompt], schedule: list[list[int]], depth: int,
-                 async_train: bool):
+                 async_train: bool, partial: bool = False):
         self.generator, self.prompts, self.schedule = generator, prompts, schedule
-        self.depth, self.async_train = depth, async_train
+        self.depth, self.async_train, self.partial = depth, async_train, partial
         self.in_flight: dict[int, Pending] = {}
         self.async_metrics: dict[str, float] = {}
 
@@ -71,6 +83,18 @@ class RolloutPipeline:
                             "async/dropped_stale": float(dropped),
                             "async/generation_wait_s": time.perf_counter() - start}
         return rollouts
+
+    @contextlib.contextmanager
+    def landing(self, version: int, dist):
+        """Around a weight push that makes the engines' weights policy ``version``: with --partial_rollout, rank 0
+        pauses the generations under way between two sampling steps before it and resumes them with the new weights
+        (labelled ``version``) after; otherwise nothing (an update queued after a generation waits for it)."""
+        engines = self.generator.engines if self.partial and dist.is_main else None
+        if engines is not None:
+            engines.pause_generation()
+        yield
+        if engines is not None:
+            engines.resume_generation(version)
 
     def metrics(self) -> dict[str, float]:
         """The last batch's: its generator's (episodes, tools) and, with --async_train, its staleness and wait."""

@@ -1,6 +1,6 @@
 """Where an RL step's rewards come from: a rule function, a remote reward model over HTTP, reward models, or the
 built-in task's exact match; asked once per rollout batch on rank 0 and shared (``shared_rewards``), then
-shaped (``shaped_rewards``: DAPO's overlong penalty, clipping).
+shaped (``shaped_rewards``: DAPO's overlong penalty, ProRL's stop-properly penalty, clipping).
 
 Every source is one callable, ``reward(prompts, completions, rows) -> one float per completion``, called on
 a whole rollout batch (``rows`` are the prompts' dataset rows, for labels and other columns). ``checked``
@@ -19,13 +19,17 @@ a server.
   ``reward_func([query], [prompt], [label])``, the query being the prompt and the completion (its special tokens
   kept, as OpenRLHF decodes), the prompt as the model saw it (templates applied), the label the ``--label_key``
   column ("" without one); it returns ``{"rewards": ..., "scores": ..., "extra_logs": ...}`` or the rewards alone
-  (a tensor, a list or a number). The file is loaded and its signature checked before the run starts
-  (``load_openrlhf_reward``).
+  (a tensor, a list or a number). As in OpenRLHF, ``scores`` (else the rewards) is what ``--dynamic_filtering``
+  tests, and ``extra_logs`` (one number per query under each name) is logged: their means over the batch trained
+  on are ``reward/score`` and ``reward/extra/<name>`` in metrics.jsonl (``RewardAnswer``). The file is loaded and
+  its signature checked before the run starts (``load_openrlhf_reward``).
 * ``--reward_pretrain DIR [DIR ...]``: reward models saved by ``openpack train_rm`` score the token ids of
   prompt + completion, normalised as their config says; several are summed with ``--reward_weights`` or
   combined by ``--reward_fn`` (called with ``rm_scores=[[...] per model]``).
 * the built-in task: 1.0 when the completion is the right sum in the bare form, else 0.0 (what the DPO and
   RM demos prefer), read from the row's ``response``.
+* none, with ``--teacher_pretrain`` and none of the above (``DistillationOnly``): on-policy distillation alone,
+  every reward 0, the teacher's per-token term the whole advantage (``rl/experience.py``).
 """
 
 from __future__ import annotations
@@ -39,12 +43,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from openpack.core.advantages import clip_rewards, overlong_penalty
+from openpack.core.advantages import clip_rewards, overlong_penalty, stop_properly_penalty
 from openpack.data.loading import DataError
 from openpack.data.prompts import Prompt
 from openpack.distributed.process import DistInfo, broadcast_object
@@ -56,6 +61,16 @@ RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[dict]], Sequence[flo
 
 class RewardError(RuntimeError):
     """A reward source failed or answered nonsense; the message names the source, the batch and the fix."""
+
+
+@dataclass
+class RewardAnswer:
+    """A reward source's answer for a batch: one reward per completion and, from OpenRLHF's reward files, what
+    they report beside it."""
+
+    rewards: list[float]
+    scores: list[float] | None = None  # OpenRLHF's ``scores``: what --dynamic_filtering tests (None: the rewards)
+    extra_logs: list[dict[str, float]] = field(default_factory=list)  # per completion: its ``extra_logs``
 
 
 REWARD = "reward"  # the source name of the reward a run trains on, whatever gives it
@@ -75,24 +90,39 @@ def source_names(rl_cfg) -> list[str]:
     return [REWARD]
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """``path.py:function`` -> the function; a bad file, name or object is a RewardError naming --reward_fn."""
+def load_reward_fn(spec: str, keywords: tuple[str, ...] = ()) -> RewardFn:
+    """``path.py:function`` -> the function, checked to take (prompts, completions, rows) and the ``keywords``
+    openpack passes it (``rm_scores`` where it combines reward models). A bad spec, file, name or signature is a
+    RewardError naming --reward_fn, the file and the fix; the driver asks before the run starts
+    (``config.rl_checks.check_reward_files``)."""
+    flag = f"--reward_fn {spec}"
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise RewardError(f"--reward_fn {spec}: write it as path/to/file.py:function_name")
+        raise RewardError(f"{flag}: write it as path/to/file.py:function_name")
     file = Path(path).expanduser()
     if not file.is_file():
-        raise RewardError(f"--reward_fn {spec}: no file {file}")
+        raise RewardError(f"{flag}: no file {file}; give the path of the Python file that defines {name}")
     module_spec = importlib.util.spec_from_file_location(f"openpack_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
     except Exception as err:  # the user's file: any error is theirs to see, with where it came from
-        raise RewardError(f"--reward_fn {spec}: importing {file} failed: {type(err).__name__}: {err}") from err
+        raise RewardError(f"{flag}: importing {file} failed: {type(err).__name__}: {err}; fix the file (it is "
+                          "imported where the run starts)") from err
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise RewardError(f"--reward_fn {spec}: {file} has no function {name!r}")
-    fn.reward_name = f"--reward_fn {spec}"
+        defined = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
+        raise RewardError(f"{flag}: {file} has no function {name!r} (it defines {', '.join(defined) or 'none'}); "
+                          f"name one after the colon, or define {name}(prompts, completions, rows)")
+    call = f"{name}(prompts, completions, rows{''.join(f', {k}=...' for k in keywords)})"
+    try:
+        inspect.signature(fn).bind(["prompt"], ["completion"], [{}], **{k: [[0.0]] for k in keywords})
+    except TypeError as err:
+        raise RewardError(f"{flag}: {name}{inspect.signature(fn)} cannot be called as {call}, as openpack calls "
+                          f"it ({err}); give it those parameters") from err
+    except ValueError:  # a builtin or C function without a signature: called as it is
+        pass
+    fn.reward_name = flag
     return fn
 
 
@@ -144,18 +174,24 @@ def openrlhf_reward(path: str, label_key: str | None) -> RewardFn:
     (``query[len(prompt):]``); openpack's prompt ids may hold an added bos, hence the text, not the ids."""
     fn = load_openrlhf_reward(path)
 
-    def reward(prompts, completions, rows):
+    def reward(prompts, completions, rows) -> RewardAnswer:
         labels = [row.get(label_key, "") if label_key else "" for row in rows]
-        return [value for prompt, completion, label in zip(prompts, completions, labels)
-                for value in _openrlhf_rewards(fn([prompt + completion], [prompt], [label]), path)]
+        answers = [_openrlhf_answer(fn([prompt + completion], [prompt], [label]), path)
+                   for prompt, completion, label in zip(prompts, completions, labels)]
+        rewards = [r for r, _, _ in answers]
+        scored = any(s is not None for _, s, _ in answers)  # a query without scores is scored by its reward
+        return RewardAnswer(rewards, [r if s is None else s for r, s, _ in answers] if scored else None,
+                            [logs for _, _, logs in answers])
 
     reward.reward_name = f"--remote_rm_url {path} (reward_func)"
     reward.keeps_special_tokens = True
     return reward
 
 
-def _openrlhf_rewards(answer, path: str) -> list:
-    """One query's rewards from what ``reward_func`` returned: a dict's ``rewards``, or the rewards alone."""
+def _openrlhf_answer(answer, path: str) -> tuple[float, float | None, dict[str, float]]:
+    """One query's (reward, score or None, extra_logs) from what ``reward_func`` returned: a dict of ``rewards``,
+    ``scores`` and ``extra_logs``, or the rewards alone. Each is one number: a float, or a tensor or list whose
+    first element is taken (as OpenRLHF takes ``extra_logs``' values)."""
     rewards = answer.get("rewards") if isinstance(answer, dict) else answer
     if hasattr(rewards, "tolist"):  # a tensor or an array, of one value or a 0-d one
         rewards = rewards.tolist()
@@ -167,7 +203,28 @@ def _openrlhf_rewards(answer, path: str) -> list:
         raise RewardError(f"--remote_rm_url {path}: reward_func returned {what} for one query; return "
                           "{'rewards': tensor([r]), 'scores': ..., 'extra_logs': {...}} or the rewards alone, "
                           "one per query")
-    return rewards
+    if not isinstance(answer, dict):
+        return rewards[0], None, {}
+    score = answer.get("scores")
+    logs = answer.get("extra_logs") or {}
+    if not isinstance(logs, dict):
+        raise RewardError(f"--remote_rm_url {path}: reward_func returned extra_logs {str(logs)[:80]!r}; return a "
+                          "dict of name -> one number per query")
+    return (rewards[0], None if score is None else _one_number(score, "scores", path),
+            {str(name): _one_number(value, f"extra_logs[{name!r}]", path) for name, value in logs.items()})
+
+
+def _one_number(value, what: str, path: str) -> float:
+    """A reward file's ``scores`` or ``extra_logs`` value for one query as a float (a tensor's or a list's first
+    element); anything else is a RewardError naming the file."""
+    if hasattr(value, "flatten"):
+        value = value.flatten().tolist()
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise RewardError(f"--remote_rm_url {path}: reward_func returned {what} {str(value)[:80]!r} for one query; "
+                      "return one finite number per query (a float, or a one-element tensor)")
 
 
 def remote_reward(url: str, timeout_s: float = 60.0, retries: int = 3, pause_s: float = 1.0,
@@ -295,9 +352,16 @@ def checked(source: RewardFn, timeout_s: float | None = None) -> Callable[..., l
             raise RewardError(f"{name} raised {type(err).__name__}: {err} (on {batch}, {len(completions)} "
                               "completions)") from err
 
-    def reward(prompts, completions, rows, batch: str = "this batch", sequences=None) -> list[float]:
+    def scored(prompts, completions, rows, batch: str = "this batch", sequences=None) -> RewardAnswer:
+        """The rewards and, from a source that reports them (OpenRLHF's reward files), the scores and logs."""
         values = answer(source, prompts, completions, rows, batch, sequences)
-        return numbers_of(name, values, len(completions), batch)
+        if isinstance(values, RewardAnswer):  # built by openpack's own adapter: one score and log per completion
+            return RewardAnswer(numbers_of(name, values.rewards, len(completions), batch), values.scores,
+                                values.extra_logs)
+        return RewardAnswer(numbers_of(name, values, len(completions), batch))
+
+    def reward(prompts, completions, rows, batch: str = "this batch", sequences=None) -> list[float]:
+        return scored(prompts, completions, rows, batch, sequences).rewards
 
     def by_source(prompts, completions, rows, batch: str = "this batch", sequences=None) -> dict[str, list[float]]:
         """Each source's rewards (``source_names``): the run's reward and, for several reward models, each alone."""
@@ -308,6 +372,7 @@ def checked(source: RewardFn, timeout_s: float | None = None) -> Callable[..., l
 
     reward.reward_name = name
     reward.by_source = by_source
+    reward.scored = scored
     reward.keeps_special_tokens = getattr(source, "keeps_special_tokens", False)
     return reward
 
@@ -368,7 +433,7 @@ def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
     --remote_rm_url (a server, or OpenRLHF's reward file), exact match on --label_key, or (demo) the task's exact
     match; checked."""
     if rl_cfg.reward_pretrain:
-        combine = load_reward_fn(rl_cfg.reward_fn) if rl_cfg.reward_fn else None
+        combine = load_reward_fn(rl_cfg.reward_fn, ("rm_scores",)) if rl_cfg.reward_fn else None
         return checked(reward_models(scorers, rl_cfg.reward_pretrain, rl_cfg.reward_weights, combine))
     timeout = rl_cfg.reward_timeout or None  # reward models are not cut off: their speed is the trainer's
     if rl_cfg.reward_fn:
@@ -383,15 +448,28 @@ def reward_source(rl_cfg, data_cfg, is_demo: bool, scorers: list | None = None):
     if is_demo:
         return checked(exact_match_reward)
     raise DataError("no reward: give --reward_fn path.py:function, --remote_rm_url URL, or --label_key COLUMN "
-                    "(exact match of the completion to that column)")
+                    "(exact match of the completion to that column), or --teacher_pretrain PATH (on-policy "
+                    "distillation alone)")
+
+
+def names_task_reward(rl_cfg, data_cfg) -> bool:
+    """Whether the flags name a reward source (``reward_source``'s, the built-in demo's aside)."""
+    return bool(rl_cfg.reward_pretrain or rl_cfg.reward_fn or rl_cfg.remote_rm_url or data_cfg.label_key)
+
+
+def distillation_only(rl_cfg, data_cfg, agent_cfg) -> bool:
+    """--teacher_pretrain with no reward flag and no environment: the teacher's signal alone (also in the demo,
+    whose exact-match reward then stays off)."""
+    return bool(rl_cfg.teacher_pretrain) and not names_task_reward(rl_cfg, data_cfg) and not agent_cfg.enabled
 
 
 class RolloutRewards(Protocol):
-    """A rollout batch's raw rewards, one per completion, on every rank (``prompts``: one per group of n)."""
+    """A rollout batch's raw rewards, one per completion (and a reward file's scores and logs), on every rank
+    (``prompts``: one per group of n)."""
 
     name: str  # said when a reward gives nothing to learn from
 
-    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> RewardAnswer:
         ...
 
 
@@ -403,8 +481,9 @@ class SourceRewards:
         self.source, self.tokenizer, self.n = source, tokenizer, n
         self.name = getattr(source, "reward_name", "the reward")
 
-    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
-        return shared_rewards(self.source, self._texts(prompts, rollouts), dist, where, self._sequences(rollouts))
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> RewardAnswer:
+        return shared_rewards(self.source.scored, self._texts(prompts, rollouts), dist, where,
+                              self._sequences(rollouts))
 
     def by_source(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> dict[str, list[float]]:
         """Each source's rewards (``source_names``) of ``rollouts``, ``self.n`` a prompt, on every rank."""
@@ -422,18 +501,28 @@ class SourceRewards:
         return [p + c for p, c in zip(rollouts.prompt_tokens, rollouts.completion_tokens)]
 
 
+class DistillationOnly:
+    """No task reward (on-policy distillation alone): every completion's reward is 0, so every estimator's
+    advantage is 0 and the teacher's per-token term is the whole signal."""
+
+    name = "no reward (distillation alone)"
+
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> RewardAnswer:
+        return RewardAnswer([0.0] * rollouts.size)
+
+
 class EpisodeRewards:
     """Multi-turn episodes' rewards: their environments', summed over each episode's turns (``rl/agents``),
     already on every rank."""
 
     name = "the environment"
 
-    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> list[float]:
-        return rollouts.env_rewards
+    def __call__(self, prompts: list[Prompt], rollouts: Rollouts, dist: DistInfo, where: str) -> RewardAnswer:
+        return RewardAnswer(rollouts.env_rewards)
 
 
 def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist: DistInfo, where: str,
-                   sequences: list[list[int]] | None = None) -> list[float] | dict[str, list[float]]:
+                   sequences: list[list[int]] | None = None) -> RewardAnswer | dict[str, list[float]]:
     """Rank 0 asks the reward source (once per batch); every rank gets the answer (the rewards, or ``by_source``'s
     rewards of each source), or raises rank 0's error, so no rank is left waiting in a collective when a reward
     fails."""
@@ -449,14 +538,20 @@ def shared_rewards(reward, texts: tuple[list[str], list[str], list[dict]], dist:
     return values
 
 
-def shaped_rewards(raw: list[float], response_lengths: list[int], settings: RLSettings) -> tuple[list[float], dict]:
-    """The source's rewards plus DAPO's overlong penalty, then clipped to --reward_clip_range; with metrics."""
+def shaped_rewards(raw: list[float], response_lengths: list[int], finished: list[bool],
+                   settings: RLSettings) -> tuple[list[float], dict]:
+    """The source's rewards plus DAPO's overlong penalty, those of completions cut at their budget (not
+    ``finished``) penalised as ProRL does (--stop_properly_penalty_coef), then clipped to --reward_clip_range, in
+    OpenRLHF 0.11's order; with metrics."""
     rewards, metrics = torch.tensor(raw, dtype=torch.float32), {}
     if settings.overlong_buffer_len:
         penalty = overlong_penalty(torch.tensor(response_lengths), settings.generate_max_len,
                                    settings.overlong_buffer_len, settings.overlong_penalty_factor)
         rewards = rewards + penalty
         metrics["reward/overlong_penalty"] = penalty.mean().item()
+    if settings.stop_properly_penalty_coef is not None:
+        rewards = stop_properly_penalty(rewards, ~torch.tensor(finished, dtype=torch.bool),
+                                        settings.stop_properly_penalty_coef)
     if settings.reward_clip_range is not None:
         metrics["reward/source"] = sum(raw) / len(raw)
         rewards = clip_rewards(rewards, settings.reward_clip_range)

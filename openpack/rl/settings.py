@@ -37,12 +37,14 @@ class RLSettings:
     freezing_actor_steps: int = 0  # rollout batches that train only the critic
     overlong_buffer_len: int | None = None  # DAPO's overlong penalty
     overlong_penalty_factor: float = 1.0
+    stop_properly_penalty_coef: float | None = None  # ProRL's penalty for truncated completions
     reward_clip_range: tuple[float, float] | None = None
     dynamic_filtering: bool = False  # DAPO's dynamic sampling
     dynamic_filtering_reward_range: tuple[float, float] | None = None
     dynamic_filtering_max_empty_steps: int = 3  # rollout batches in a row that keep no group: stop
     async_staleness: int = 0  # --max_staleness under --async_train: rollouts may be this many versions old
     per_turn_reward: bool = False  # episodes: each turn's reward at its last sampled token (reinforce, gae)
+    distill_coef: float = 0.0  # --teacher_pretrain's --distill_coef: the teacher's per-token term; 0 without one
 
     @property
     def critic(self) -> bool:
@@ -59,6 +61,11 @@ class RLSettings:
         return self.kl_coef > 0
 
     @property
+    def distills(self) -> bool:
+        """On-policy distillation: a teacher scores the completions, its reverse KL a per-token advantage."""
+        return self.distill_coef > 0
+
+    @property
     def needs_old_pass(self) -> bool:
         """A scoring pass of the policy before its updates: the ratio's denominator once an update has moved the
         policy (more than one update per rollout batch), or the log-probs a KL in the reward needs first.
@@ -66,8 +73,9 @@ class RLSettings:
         With one update per batch the denominator is the policy as it stands before that update, and the update's
         own forward computes exactly those log-probs (detached): also when the batch was sampled by an older
         version (``--async_train``), whose log-probs stay the behaviour log-probs of TIS and ``vllm_logp_diff``.
+        Distillation needs them before any update too: the student's side of each token's reverse KL.
         """
-        return self.updates_per_rollout > 1 or self.reward_kl
+        return self.updates_per_rollout > 1 or self.reward_kl or self.distills
 
 
 def rl_settings(cfg) -> RLSettings:
@@ -93,12 +101,21 @@ def rl_settings(cfg) -> RLSettings:
         gamma=rl_cfg.gamma, updates_per_rollout=updates_per_rollout(rollout_cfg, train_cfg), lambd=rl_cfg.lambd,
         value_clip=rl_cfg.value_clip, freezing_actor_steps=rl_cfg.freezing_actor_steps,
         overlong_buffer_len=rl_cfg.overlong_buffer_len, overlong_penalty_factor=rl_cfg.overlong_penalty_factor,
+        stop_properly_penalty_coef=rl_cfg.stop_properly_penalty_coef,
         reward_clip_range=_pair(rl_cfg.reward_clip_range), dynamic_filtering=rl_cfg.dynamic_filtering,
         dynamic_filtering_reward_range=_pair(rl_cfg.dynamic_filtering_reward_range),
         dynamic_filtering_max_empty_steps=(rl_cfg.dynamic_filtering_max_empty_steps
                                            or RLSettings.dynamic_filtering_max_empty_steps),
         async_staleness=async_staleness(rollout_cfg),
-        per_turn_reward=bool(getattr(cfg, "agent", None) and cfg.agent.per_turn_reward))
+        per_turn_reward=bool(getattr(cfg, "agent", None) and cfg.agent.per_turn_reward),
+        distill_coef=distill_coef(rl_cfg))
+
+
+def distill_coef(rl_cfg) -> float:
+    """The teacher's weight: --distill_coef (none given: 1) with --teacher_pretrain, else 0 (no distillation)."""
+    if not rl_cfg.teacher_pretrain:
+        return 0.0
+    return 1.0 if rl_cfg.distill_coef is None else rl_cfg.distill_coef
 
 
 def _pair(values: list[float] | None) -> tuple[float, float] | None:

@@ -101,7 +101,7 @@ def rl_step(loop: RLLoop, batch: RolloutBatch) -> dict:
         with phases.time("training"):
             update(loop, batch, experience, phases)
         with phases.time("weight_sync"):
-            push_weights(loop, phases)
+            push_weights(loop, phases, version=batch.index + 1)
     return phases.metrics(lr=loop.run.engine.get_lr()[0])
 
 
@@ -118,11 +118,13 @@ def generate(loop: RLLoop, batch: RolloutBatch, phases: Phases) -> Rollouts:
 
 def reward(loop: RLLoop, prompts: list[Prompt], rollouts: Rollouts, where: str, phases: Phases | None = None) -> None:
     """Set ``rollouts.rewards`` (``prompts``: one per group of n completions): the source's (asked on rank 0 and
-    shared) or the episodes' own, then shaped (overlong penalty, clipping)."""
+    shared) or the episodes' own, then shaped (overlong penalty, clipping); and a reward file's scores and logs."""
     if not rollouts.size:
         return
-    raw = loop.rewards(prompts, rollouts, loop.dist, where)
-    rollouts.rewards, metrics = shaped_rewards(raw, rollouts.response_lengths(), loop.settings)
+    answer = loop.rewards(prompts, rollouts, loop.dist, where)
+    rollouts.rewards, metrics = shaped_rewards(answer.rewards, rollouts.response_lengths(), rollouts.finished,
+                                               loop.settings)
+    rollouts.scores, rollouts.reward_logs = answer.scores or [], answer.extra_logs
     if phases is not None:
         phases.add(metrics)
 
@@ -164,16 +166,18 @@ def update(loop: RLLoop, batch: RolloutBatch, experience: Experience, phases: Ph
     first --freezing_actor_steps batches."""
     metrics, tokens = train_on(experience, loop.run.engine, loop.critic, loop.settings, loop.dist,
                                loop.settings.seed + batch.index,
-                               train_actor=batch.index >= loop.settings.freezing_actor_steps)
+                               train_actor=batch.index >= loop.settings.freezing_actor_steps, version=batch.index)
     phases.add(metrics)
     phases.per_second("training", tokens_per_s=tokens, training_tokens_per_s=tokens)
 
 
-def push_weights(loop: RLLoop, phases: Phases) -> None:
-    """The policy's weights to the engines (version += 1); colocated, they were pushed at the engines' wake
-    instead, before this batch's generation. HF rollouts sample from the policy itself: nothing to push."""
+def push_weights(loop: RLLoop, phases: Phases, version: int) -> None:
+    """The policy's weights to the engines, which then hold policy ``version``; colocated, they were pushed at the
+    engines' wake instead, before this batch's generation. HF rollouts sample from the policy itself: nothing to
+    push. With --partial_rollout they land in the generations under way (``RolloutPipeline.landing``)."""
     if loop.sync is not None and loop.colocation is None:
-        send_weights(loop.sync, loop.run.engine, loop.dist)
+        with loop.pipeline.landing(version, loop.dist):
+            send_weights(loop.sync, loop.run.engine, loop.dist)
     phases.add({**(loop.sync.metrics() if loop.sync is not None else {}),
                 **(loop.colocation.metrics() if loop.colocation is not None else {})})
 
@@ -185,7 +189,8 @@ def send_weights(sync: WeightSync, engine: DeepSpeedEngine, dist: DistInfo) -> f
 
 def _dynamically_filtered(loop: RLLoop, batch: RolloutBatch, rollouts: Rollouts) -> tuple[Rollouts, dict]:
     """DAPO's dynamic sampling: groups whose rewards are all equal (or whose mean is outside
-    --dynamic_filtering_reward_range) teach nothing and are dropped; groups of other prompts, drawn by a seed of
+    --dynamic_filtering_reward_range) teach nothing and are dropped (a reward file's ``scores`` are tested instead,
+    where it gives them, as OpenRLHF does); groups of other prompts, drawn by a seed of
     the run, the step and the round (so a resumed run draws the same), are generated and scored in their place,
     for at most ``FILTER_ROUNDS`` rounds. A batch still short is filled with dropped groups (counted)."""
     from openpack.core.advantages import keep_groups
@@ -194,7 +199,9 @@ def _dynamically_filtered(loop: RLLoop, batch: RolloutBatch, rollouts: Rollouts)
     n = settings.n_samples_per_prompt
     kept, spare, dropped, rounds = [], [], 0, 0
     while True:
-        keep = keep_groups(torch.tensor(rollouts.rewards), n, settings.dynamic_filtering_reward_range).tolist()
+        # a reward file's scores where it gives them, as OpenRLHF filters (else the shaped rewards)
+        keep = keep_groups(torch.tensor(rollouts.scores or rollouts.rewards), n,
+                           settings.dynamic_filtering_reward_range).tolist()
         dropped += keep.count(False)
         for g, good in enumerate(keep):
             (kept if good else spare).append(rollouts.select(range(g * n, (g + 1) * n)))

@@ -27,14 +27,16 @@ from openpack.trainers.router_aux import RouterAux
 
 POLICY_SUMS = ("loss", "clipped", "tis_clipped", "entropy", "mismatch", "kl", "tokens")
 CORRECTION_SUMS = ("masked_tokens", "masked_sequences", "sequences", "ratio")  # with --is_correction_type
+ASYNC_SUMS = ("old_version_tokens",)  # with --async_train: tokens sampled by a version older than the one trained
 CRITIC_SUMS = ("loss", "clipped", "values", "tokens")
 
 
 def train_on(experience: Experience, engine, critic, settings: RLSettings, dist: DistInfo, seed: int,
-             train_actor: bool = True) -> tuple[dict, int]:
+             train_actor: bool = True, version: int = 0) -> tuple[dict, int]:
     """Every optimizer step of one rollout batch: the critic's (``critic``: its engine, under GAE), then the
-    policy's, step by step; ``train_actor`` False trains only the critic (``--freezing_actor_steps``). Returns the
-    metrics, each averaged over the steps, and the real tokens the steps trained over every rank."""
+    policy's, step by step; ``train_actor`` False trains only the critic (``--freezing_actor_steps``); ``version``:
+    the policy version the batch trains (weight syncs so far). Returns the metrics, each averaged over the steps,
+    and the real tokens the steps trained over every rank."""
     steps = plan_updates(experience, settings, dist.world_size, seed)[dist.rank]
     pending = []
     for step in steps:
@@ -43,7 +45,7 @@ def train_on(experience: Experience, engine, critic, settings: RLSettings, dist:
             pending.append(critic_step(critic, experience, step, settings, dist))
         if train_actor:
             engine.train()
-            pending.append(policy_step(engine, experience, step, settings, dist))
+            pending.append(policy_step(engine, experience, step, settings, dist, version))
     read = read_together(pending)  # the update's one host sync (and all-reduce) per rollout batch
     metrics = {key: _over_steps(key, [r[key] for r in read if key in r]) for key in dict.fromkeys(k for r in read
                                                                                                  for k in r)}
@@ -52,13 +54,18 @@ def train_on(experience: Experience, engine, critic, settings: RLSettings, dist:
     return metrics, sum(s.real_tokens for s in steps)  # every rank plans every rank's tokens
 
 
-def policy_step(engine, experience: Experience, step: RankStep, settings: RLSettings, dist: DistInfo) -> StepMetrics:
+def policy_step(engine, experience: Experience, step: RankStep, settings: RLSettings, dist: DistInfo,
+                version: int = 0) -> StepMetrics:
     """One optimizer step of the policy over this rank's planned micro-batches; its loss is ``sum_t w_t loss_t``
     (``core/rl_losses.py``), ``w_t`` from the step's totals over every rank (``step.label_tokens``: its completion
     tokens; ``step.samples``: its completions), so each micro-batch's part needs no communication. An MoE policy
-    adds its router load-balancing loss (``trainers/router_aux.py``)."""
+    adds its router load-balancing loss (``trainers/router_aux.py``). Asynchronous, it counts the tokens an older
+    version than ``version`` (the one trained) sampled: each token's own version, in the order the loss reads
+    its behaviour log-prob (``async/old_version_tokens``, their share)."""
     router_aux, correcting = RouterAux(engine, step.real_tokens), settings.policy.correction is not None
-    sums = DeviceSums(POLICY_SUMS + (CORRECTION_SUMS if correcting else ()) + router_aux.names, dist.device)
+    stale = settings.async_staleness > 0 and experience.versions is not None
+    sums = DeviceSums(POLICY_SUMS + (CORRECTION_SUMS if correcting else ()) + (ASYNC_SUMS if stale else ())
+                      + router_aux.names, dist.device)
     grad_norm, ratio_max = 0.0, torch.zeros((), device=dist.device)
     micro_batches = experience.batcher.collate(step.micro_batches)
     for index, (host_batch, units) in enumerate(zip(micro_batches, step.micro_batches)):
@@ -81,6 +88,8 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
         aux_loss, aux_sums = router_aux.term(host_batch.num_tokens)  # the host batch: no device sync
         engine.backward((loss + aux_loss) * dist.world_size)
         corrections = _correction_sums(terms, segment_ids, len(ids)) if correcting else {}
+        if stale:
+            corrections["old_version_tokens"] = (in_batch_order(ids, experience.versions, dist.device) < version).sum()
         if correcting:
             ratio_max = torch.maximum(ratio_max, terms.is_ratio.max())
         sums.add(loss=loss, clipped=terms.clipped.sum(), tis_clipped=terms.tis_clipped.sum(),
@@ -96,7 +105,8 @@ def policy_step(engine, experience: Experience, step: RankStep, settings: RLSett
                 **({"kl_loss": totals["kl"] / tokens} if settings.use_kl_loss else {}), **router_aux.metrics(totals),
                 **({"is_correction/masked_tokens": totals["masked_tokens"] / tokens,
                     "is_correction/masked_sequences": totals["masked_sequences"] / max(totals["sequences"], 1),
-                    "is_correction/ratio_mean": totals["ratio"] / tokens} if correcting else {})}
+                    "is_correction/ratio_mean": totals["ratio"] / tokens} if correcting else {}),
+                **({"async/old_version_tokens": totals["old_version_tokens"] / tokens} if stale else {})}
 
     values = {"grad_norm": grad_norm, "skipped_steps": engine.step_guard.skipped}
     if correcting:  # a collective on the device, once per step: read with the sums

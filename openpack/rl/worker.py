@@ -3,7 +3,8 @@
 rank: process group -> tokenizer, policy, prompts -> the rollout schedule
 (seeded prompt order per episode, cut into rollout batches) -> the shared
 run (engine, resume, tracker, checkpoints; ``trainers/run.py``) ->
-reference model (when a KL term needs one) -> rollout engines (vLLM actors
+reference model (when a KL term needs one) and distillation teacher
+(--teacher_pretrain) -> rollout engines (vLLM actors
 handed over by the driver, in-process vLLM, or HF generation with the
 policy itself) -> (demo: held-out exact match; --eval_prompt_data: the held-out evaluation before training, every
 --eval_steps and at the end, ``evaluation.py``) -> steps -> final model.
@@ -37,7 +38,7 @@ from openpack.rl.colocation import Colocation
 from openpack.rl.generation import Generator, make_generator
 from openpack.rl.pipeline import RolloutPipeline
 from openpack.rl.experience import Scorers
-from openpack.rl.rewards import EpisodeRewards, SourceRewards, reward_source
+from openpack.rl.rewards import DistillationOnly, EpisodeRewards, SourceRewards, distillation_only, reward_source
 from openpack.rl.settings import rl_settings
 from openpack.rl.evaluation import BestPolicy, Evaluation, with_evaluation
 from openpack.rl.step import EmptySteps, RLLoop, RolloutBatch, rl_step, send_weights
@@ -115,10 +116,11 @@ def prompt_datasets(data_cfg, out_cfg, is_main: bool) -> list[str]:
 
 
 def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None, reward_groups=None,
-            reference_group=None) -> int:
+            reference_group=None, teacher_group=None) -> int:
     """One rank's RL run of ``cfg`` (its ``PPORunConfig``); ``engine_group``: the driver's vLLM engine actors (Ray), else engines are made here;
     ``reward_groups``: the driver's reward-model actor groups (Ray), else rank 0 loads the reward models;
-    ``reference_group``: the driver's reference actor (Ray), else each rank holds the reference model."""
+    ``reference_group`` / ``teacher_group``: the driver's reference / distillation teacher actor (Ray), else each
+    rank holds that model."""
     model_cfg, data_cfg, train_cfg, out_cfg, rollout_cfg, rl_cfg = (cfg.model, cfg.data, cfg.train, cfg.output,
                                                                     cfg.rollout, cfg.rl)
     dist = start_worker(model_cfg, train_cfg.seed)
@@ -154,7 +156,8 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
         kl_ctl.load_state_dict(run.resumed_state["kl_controller"])
     empty.in_a_row = run.resumed_state.get("empty_steps", 0)  # a resumed run stops where the uninterrupted one would
     scorers = Scorers(old=run.engine if settings.needs_old_pass else None, values=critic,
-                      ref=rl_reference(cfg, settings, run, model, pretrain, dist, reference_group))
+                      ref=rl_reference(cfg, settings, run, model, pretrain, dist, reference_group),
+                      teacher=rl_teacher(cfg, settings, dist, teacher_group))
     backend = resolved_backend(rollout_cfg)
     if dist.is_main:
         logger.info("rollouts: %s%s", backend, " (auto: vLLM imports)" if rollout_cfg.rollout_backend == "auto"
@@ -165,15 +168,19 @@ def run_ppo(cfg, demo_model=None, save_config=None, engine_group=None, plan=None
     sync = _weight_sync(backend, rollout_cfg, generator, run.engine.module, dist)
     if cfg.agent.enabled:  # multi-turn episodes: their environments give the rewards
         generator, rewards = agent_generator(cfg, generator, tokenizer), EpisodeRewards()
+    elif distillation_only(rl_cfg, data_cfg, cfg.agent):  # the teacher's signal alone
+        rewards = DistillationOnly()
     else:
         rewards = SourceRewards(reward_source(rl_cfg, data_cfg, demo_model is not None,
                                               reward_scorers(cfg, dist, reward_groups)),
                                 tokenizer, settings.n_samples_per_prompt)
-    pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train)
+    pipeline = RolloutPipeline(generator, prompts, schedule, settings.async_staleness, rollout_cfg.async_train,
+                               rollout_cfg.partial_rollout)
     colocation = Colocation(generator.engines, [run.engine, critic], functools.partial(
         send_weights, sync, run.engine, dist), dist.is_main) if rollout_cfg.colocate_all_models else None
     if sync is not None and colocation is None and run.position.global_step:  # resumed: the engines still hold
-        send_weights(sync, run.engine, dist)  # the starting weights (colocated: pushed at each wake)
+        with pipeline.landing(run.position.global_step, dist):  # the starting weights (colocated: pushed at
+            send_weights(sync, run.engine, dist)  # each wake)
     loop = RLLoop(run=run, pipeline=pipeline, rewards=rewards, scorers=scorers, settings=settings, prompts=prompts,
                   dist=dist, pad_token_id=tokenizer.pad_token_id or 0, sync=sync, critic=critic, kl_ctl=kl_ctl,
                   colocation=colocation, empty_steps=empty)
@@ -282,25 +289,56 @@ def rl_reference(cfg, settings, run: TrainingRun, model, pretrain: str, dist, re
 def build_rl_reference(cfg, pretrain: str, dist=None):
     """The frozen reference model scoring per-token log-probs (``ref(batch)``): a rank's own DeepSpeed engine, or
     (``dist`` None) the model of a Ray reference actor, which starts its own process group first."""
-    model_cfg, rl_cfg = cfg.model, cfg.rl
+    flag = "--ref_pretrain" if cfg.rl.ref_pretrain else "--pretrain"
+    return frozen_scorer(cfg.model, cfg.rl.ref_pretrain or pretrain, flag, False, dist)
+
+
+def rl_teacher(cfg, settings, dist, teacher_group):
+    """What scores the teacher's log-probs of on-policy distillation (--teacher_pretrain): the driver's teacher
+    actor (Ray, --teacher_num_nodes 1), else a teacher model on this rank, built as the reference is (ZeRO-3
+    partitions it like the policy; --teacher_offload keeps its parameters on the CPU); None without one."""
+    if not settings.distills:
+        return None
+    if teacher_group is not None:
+        return teacher_group.scorer(dist.rank)
+    return build_rl_teacher(cfg, dist)
+
+
+def build_rl_teacher(cfg, dist=None):
+    """The frozen distillation teacher: a rank's own DeepSpeed engine, or (``dist`` None) a Ray teacher actor's."""
+    return frozen_scorer(cfg.model, cfg.rl.teacher_pretrain, "--teacher_pretrain", cfg.rl.teacher_offload, dist)
+
+
+def frozen_scorer(model_cfg, path: str, flag: str, offload: bool, dist=None):
+    """A frozen model at ``path`` (errors name ``flag``) scoring per-token log-probs: a rank's own DeepSpeed engine
+    (ZeRO-3 under --zero_stage 3, its parameters on the CPU with ``offload``), or (``dist`` None) a Ray actor's
+    ``ModelReference``, which starts its own process group first."""
     in_actor = dist is None
     dist = start_worker(model_cfg, 0) if in_actor else dist
-    flag = "--ref_pretrain" if rl_cfg.ref_pretrain else "--pretrain"
-    ref_model = load_causal_lm(rl_cfg.ref_pretrain or pretrain, model_cfg.bf16, flag=flag).to(dist.device)
-    engine = reference.reference_engine(ref_model, model_cfg.zero_stage, False, model_cfg.bf16)
+    model = load_causal_lm(path, model_cfg.bf16, flag=flag).to(dist.device)
+    engine = reference.reference_engine(model, model_cfg.zero_stage, offload, model_cfg.bf16)
     return reference.ModelReference(engine, dist.device) if in_actor else engine
 
 
+def critic_start(rl_cfg, pretrain: str) -> tuple[str, str]:
+    """Where the critic starts, and the flag that names it: --critic_pretrain, else the first --reward_pretrain, else
+    the policy's own weights (``pretrain``) with a new value head, as OpenRLHF's train_ppo_ray picks it."""
+    if rl_cfg.critic_pretrain:
+        return rl_cfg.critic_pretrain, "--critic_pretrain"
+    if rl_cfg.reward_pretrain:
+        return rl_cfg.reward_pretrain[0], "--reward_pretrain"
+    return pretrain, "--pretrain"
+
+
 def critic_engine(cfg, pretrain: str, tokenizer, dist, optimizer_steps: int):
-    """The critic's DeepSpeed engine: --critic_pretrain (default: the first --reward_pretrain, else --pretrain) as a
-    value model, trained at --critic_learning_rate on the policy's schedule."""
+    """The critic's DeepSpeed engine: ``critic_start``'s model as a value model, trained at --critic_learning_rate on
+    the policy's schedule."""
     from openpack.distributed.engine import create_engine
     from openpack.models.reward import HEAD, PackedValueModel, load_reward_model
     from openpack.trainers.run import optim_config, zero_config
 
     model_cfg, train_cfg, rl_cfg = cfg.model, cfg.train, cfg.rl
-    path, flag = ((rl_cfg.critic_pretrain, "--critic_pretrain") if rl_cfg.critic_pretrain else
-                  (rl_cfg.reward_pretrain[0], "--reward_pretrain") if rl_cfg.reward_pretrain else (pretrain, "--pretrain"))
+    path, flag = critic_start(rl_cfg, pretrain)
     model = load_reward_model(path, model_cfg.bf16, model_cfg.gradient_checkpointing,
                               pad_token_id=tokenizer.pad_token_id, flag=flag,
                               load_in_4bit=model_cfg.load_in_4bit).to(dist.device)

@@ -5,6 +5,10 @@ Engines are local objects (``VLLMEngine``/``HFEngine`` in this process) or Ray a
 a dead actor becomes ``EngineDiedError`` naming the engine and where it ran, so the driver can exit with a
 message instead of a Ray traceback.
 
+With ``in_flight`` (``--partial_rollout``), the calls that land weights (``IN_FLIGHT_CALLS``) skip the queue: a Ray
+actor runs them in a concurrency group of their own (``WEIGHTS_GROUP``, ordered among themselves), beside the
+generation under way, which ``pause_generation`` holds between two sampling steps (``vllm_engine.StepGate``).
+
 Sharding is contiguous with near-equal counts (engine i gets prompts [start_i, start_i + size_i)): results
 concatenate back in prompt order with no index bookkeeping. Balancing by token counts would matter only for
 very mixed prompt lengths; vLLM's continuous batching already evens out most of it inside an engine.
@@ -17,21 +21,32 @@ from collections.abc import Callable, Iterable
 import torch
 
 from openpack.rollout.buckets import layer_buckets, standalone
-from openpack.rollout.interface import DEFAULT_BUCKET_BYTES, Completion, EngineDiedError, SamplingConfig
+from openpack.rollout.interface import (DEFAULT_BUCKET_BYTES, IN_FLIGHT_CALLS, Completion, EngineDiedError,
+                                        SamplingConfig)
+
+WEIGHTS_GROUP = "weights"  # the Ray concurrency group of in-flight weight updates
 
 
-def vllm_engine_actor_class(**actor_options):
+def engine_actor_options(in_flight: bool) -> dict:
+    """The ``ray.remote`` options an engine actor class needs: with ``in_flight``, a concurrency group of one thread
+    for ``IN_FLIGHT_CALLS`` (Ray takes concurrency groups only there, not in ``.options``)."""
+    return {"concurrency_groups": {WEIGHTS_GROUP: 1}} if in_flight else {}
+
+
+def vllm_engine_actor_class(in_flight: bool = False, **actor_options):
     """``ray.remote(VLLMEngine)`` with ``actor_options`` (e.g. ``num_cpus=1`` on CPU, ``num_gpus=1``).
 
     Create actors with ``cls.options(scheduling_strategy=...).remote(model_path, seed=...)``; the engine sets
     vLLM's CPU variables in its ``__init__``, inside the actor, before importing vLLM. ``max_concurrency`` is
-    left at 1: an engine serves one call at a time, so calls from one driver run in order.
+    left at 1: an engine serves one call at a time, so calls from one driver run in order (with ``in_flight``,
+    weight updates run beside them: ``EngineGroup``).
     """
     import ray
 
     from openpack.rollout.vllm_engine import VLLMEngine
 
-    return ray.remote(**actor_options)(VLLMEngine) if actor_options else ray.remote(VLLMEngine)
+    options = {**engine_actor_options(in_flight), **actor_options}
+    return ray.remote(**options)(VLLMEngine) if options else ray.remote(VLLMEngine)
 
 
 def shard_sizes(total: int, parts: int) -> list[int]:
@@ -49,13 +64,15 @@ def split_contiguous(items: list, parts: int) -> list[list]:
 
 
 class EngineGroup:
-    """``engines``: local engine objects, or Ray actor handles of them when ``remote`` is True."""
+    """``engines``: local engine objects, or Ray actor handles of them when ``remote`` is True (made by
+    ``vllm_engine_actor_class(in_flight)`` with the same ``in_flight``)."""
 
-    def __init__(self, engines: list, remote: bool):
+    def __init__(self, engines: list, remote: bool, in_flight: bool = False):
         if not engines:
             raise ValueError("EngineGroup needs at least one engine (--vllm_num_engines >= 1)")
         self.engines = list(engines)
         self.remote = remote
+        self.in_flight = in_flight
         self.object_store_bytes = 0  # put into Ray's object store by this group so far (remote engines)
         self._where: list[str | None] = [None] * len(self.engines)
         if remote:
@@ -101,6 +118,14 @@ class EngineGroup:
         """Each engine's (weights it holds that ``names`` never reach, names it has no weight for)."""
         return self.broadcast_call("check_weight_names", names)
 
+    def pause_generation(self) -> None:
+        """Every engine stops sampling after its step under way, its requests kept, until ``resume_generation``."""
+        self.broadcast_call("pause_generation")
+
+    def resume_generation(self, version: int) -> None:
+        """Every engine labels the weights it now holds policy ``version`` and samples on with them."""
+        self.broadcast_call("resume_generation", version)
+
     def sleep(self) -> None:
         self.broadcast_call("sleep")
 
@@ -123,7 +148,7 @@ class EngineGroup:
         """Start ``method`` on every remote engine without waiting; pass the result to ``wait`` (NcclSync)."""
         if not self.remote:
             raise RuntimeError(f"EngineGroup.submit({method!r}) needs Ray actor engines (remote=True)")
-        return [getattr(engine, method).remote(*args) for engine in self.engines]
+        return [self._remote(engine, method).remote(*args) for engine in self.engines]
 
     def wait(self, refs: list, indices: list[int] | None = None) -> list:
         """The results of remote calls (``refs[k]`` on engine ``indices[k]``), or EngineDiedError naming the engine."""
@@ -144,7 +169,7 @@ class EngineGroup:
         busy = [i for i, args in enumerate(per_engine_args) if args[0]]  # engines with an empty shard sit out
         args = [per_engine_args[i] for i in busy]
         if self.remote:
-            refs = [getattr(self.engines[i], method).remote(*a) for i, a in zip(busy, args)]
+            refs = [self._remote(self.engines[i], method).remote(*a) for i, a in zip(busy, args)]
             return lambda: [item for shard in self.wait(refs, busy) for item in shard]
         return lambda: [item for shard in self._call_all(method, args, busy) for item in shard]
 
@@ -152,8 +177,13 @@ class EngineGroup:
         indices = list(range(self.num_engines)) if indices is None else indices
         if not self.remote:
             return [getattr(self.engines[i], method)(*args) for i, args in zip(indices, per_engine_args)]
-        refs = [getattr(self.engines[i], method).remote(*args) for i, args in zip(indices, per_engine_args)]
+        refs = [self._remote(self.engines[i], method).remote(*args) for i, args in zip(indices, per_engine_args)]
         return self.wait(refs, indices)
+
+    def _remote(self, actor, method: str):
+        """The actor's ``method``, in the weights' concurrency group where it lands weights in flight."""
+        call = getattr(actor, method)
+        return call.options(concurrency_group=WEIGHTS_GROUP) if self.in_flight and method in IN_FLIGHT_CALLS else call
 
     def _died(self, index: int, error: Exception) -> EngineDiedError:
         where = f" on {self._where[index]}" if self._where[index] else ""

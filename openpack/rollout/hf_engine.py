@@ -36,7 +36,9 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
         """``sampling.n`` completions of each prompt; ``result[i][j]`` is prompt i's j-th completion.
 
-        Stops on ``sampling.stop_token_ids`` (or on ``eos_token_id`` when that list is empty).
+        Stops on ``sampling.stop_token_ids`` (or on ``eos_token_id`` when that list is empty). Under a shared
+        budget (``sampling.max_total``) each completion is cut at its prompt's ``sampling.budget``: generate takes one
+        ``max_new_tokens`` for the batch, and a row's tokens up to its budget are what stopping there would give.
         """
         if len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
@@ -44,6 +46,7 @@ class HFEngine:
             return []
         stops = list(sampling.stop_token_ids) or ([self.eos_token_id] if self.eos_token_id is not None else [])
         input_ids, attention_mask = self._left_padded(prompts)
+        budgets = [sampling.budget(len(p)) for p in prompts]
         greedy = sampling.temperature == 0
         sampling_kwargs = {} if greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
         was_training = self.model.training
@@ -53,7 +56,7 @@ class HFEngine:
                 torch.manual_seed(combined_seed(seeds))
                 output = self.model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, do_sample=not greedy,
-                    num_return_sequences=sampling.n, max_new_tokens=sampling.max_tokens, min_new_tokens=0,
+                    num_return_sequences=sampling.n, max_new_tokens=max(budgets), min_new_tokens=0,
                     eos_token_id=stops or None, pad_token_id=self.pad_token_id, use_cache=True,
                     return_dict_in_generate=True, output_logits=True, synced_gpus=self.synced_gpus,
                     **sampling_kwargs,
@@ -63,7 +66,8 @@ class HFEngine:
         new_tokens = output.sequences[:, input_ids.shape[1]:]
         raw_logprobs = torch.stack(output.logits, dim=1).float().log_softmax(-1)  # [B*n, steps, V]
         chosen = raw_logprobs.gather(-1, new_tokens[..., None])[..., 0]  # [B*n, steps]
-        flat = [_completion(row.tolist(), lp.tolist(), stops) for row, lp in zip(new_tokens, chosen)]
+        flat = [_completion(row[:budgets[k // sampling.n]].tolist(), lp[:budgets[k // sampling.n]].tolist(), stops)
+                for k, (row, lp) in enumerate(zip(new_tokens, chosen))]
         return [flat[i * sampling.n:(i + 1) * sampling.n] for i in range(len(prompts))]
 
     @torch.no_grad()

@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2  # weights per update call: whole layers up to this size (buckets.py)
+# the calls that land weights while a generation is under way (--partial_rollout): they run beside it, not after it
+IN_FLIGHT_CALLS = ("pause_generation", "update_weights", "receive_weights", "resume_generation")
 
 
 @dataclass
@@ -30,6 +32,7 @@ class SamplingConfig:
     top_p: float = 1.0
     max_tokens: int = 64  # --generate_max_len
     stop_token_ids: list[int] = field(default_factory=list)  # eos etc.
+    max_total: int | None = None  # --max_len: prompt + completion tokens at most (None: no shared budget)
 
     def __post_init__(self):
         if self.n < 1:
@@ -43,6 +46,13 @@ class SamplingConfig:
         if self.temperature == 0 and self.n > 1:
             raise ValueError(f"--temperature 0 is greedy: n_samples_per_prompt={self.n} would repeat one completion")
 
+    def budget(self, prompt_tokens: int) -> int:
+        """Most tokens a completion of a prompt of ``prompt_tokens`` tokens may have: ``max_tokens``, or what the
+        prompt leaves of ``max_total`` if less (at least 1, as OpenRLHF's ``max(1, max_len - prompt_len)``)."""
+        if self.max_total is None:
+            return self.max_tokens
+        return max(1, min(self.max_tokens, self.max_total - prompt_tokens))
+
 
 @dataclass
 class Completion:
@@ -51,11 +61,15 @@ class Completion:
     ``tokens``: the sampled tokens, the stop/eos token included if it was sampled.
     ``logprobs``: log p(tokens[t] | prompt, tokens[:t]) under the raw model (temperature 1), same length.
     ``finished``: True when it ended on a stop token; False when cut at ``max_tokens``.
+    ``versions``: the policy version whose weights sampled each token, where the engine's weights were labelled
+    (``Engine.resume_generation``, ``--partial_rollout``); None for a token sampled before any label (the weights
+    the request started with). The list itself is None where no token was sampled by labelled weights.
     """
 
     tokens: list[int]
     logprobs: list[float]
     finished: bool
+    versions: list[int | None] | None = None
 
 
 class Engine(Protocol):
@@ -69,6 +83,13 @@ class Engine(Protocol):
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load whole layers' HF-named tensors in place (one bucket of ``buckets.layer_buckets``)."""
+
+    def pause_generation(self) -> None:
+        """Stop sampling at the end of the step under way, keeping the requests under way, so that weights can land
+        (``--partial_rollout``); ``update_weights`` calls may then come."""
+
+    def resume_generation(self, version: int) -> None:
+        """Label the weights now held policy ``version`` and sample on: the requests kept continue under them."""
 
     def sleep(self) -> None:
         """Free weights and KV cache for a colocated trainer (``rl/colocation.py``)."""

@@ -17,11 +17,24 @@ has no sleep mode), so a call made while asleep fails on CPU as it would on a GP
 With ``log_dir`` (a run's ``<save_path>/logs``), what the engine prints while it starts (vLLM's warnings, C++
 notices, loading bars) and vLLM's known harmless records later go to its log file there, not the console
 (``distributed/run_log.py``).
+
+Partial rollouts (``--partial_rollout``): the engine steps vLLM itself (``LLM.enqueue``, then one
+``LLMEngine.step`` at a time: what ``LLM.generate`` does inside) through a ``StepGate``, so a weight update
+from another thread (a Ray concurrency group, or the trainer's thread in-process) lands between two sampling
+steps. ``pause_generation`` is vLLM 0.32's pause that keeps the requests under way (``LLM.sleep(level=0,
+mode="keep")``, what ``AsyncLLM.pause_generation(mode="keep")`` does); ``resume_generation`` labels the new
+weights (``LLM.update_weight_version``), preempts the kept requests so they recompute their KV cache with the
+new weights (``reset_prefix_cache(reset_running_requests=True)``, as vLLM's pause with ``clear_cache`` does),
+and resumes. vLLM reports which label sampled each token (``CompletionOutput.weight_versions``), so every
+token's behaviour log-prob comes with the version that sampled it. Nothing is re-tokenised or resubmitted:
+the ids trained are the ids sampled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 
@@ -37,6 +50,42 @@ WORKER_EXTENSION = "openpack.rollout.worker_extension.WeightReloadExtension"
 # aborted at exit 1 time in 11 under load ("terminate called without an active exception", with libgomp
 # preloaded), and LOCAL_WORLD_SIZE=1 would give an in-process trainer every core.
 LEAKED_ENVIRONMENT = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
+
+
+class StepGate:
+    """The gap between two of an engine's sampling steps, where a weight update lands: ``step()`` holds a step
+    (waiting while the gate is closed), ``close()`` waits for the step under way and keeps the next from starting
+    until ``open()``. In-process, vLLM's engine core runs in whichever thread steps it and is not thread-safe, so
+    the update must not overlap a step; vLLM's own pause then also stops an engine core in another process."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._stepping = False
+        self.closed = False
+
+    @contextlib.contextmanager
+    def step(self):
+        with self._changed:
+            self._changed.wait_for(lambda: not self.closed)
+            self._stepping = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._stepping = False
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            if self.closed:
+                raise RuntimeError("pause_generation twice without resume_generation between")
+            self.closed = True
+            self._changed.wait_for(lambda: not self._stepping)
+
+    def open(self) -> None:
+        with self._changed:
+            self.closed = False
+            self._changed.notify_all()
 
 
 class VLLMEngine:
@@ -101,6 +150,8 @@ class VLLMEngine:
         self._vllm = vllm
         self.tensor_parallel_size = tensor_parallel_size
         self.asleep, self._awake = False, set()  # tags woken since the last sleep
+        self.gate = StepGate()
+        self._finished: list = []  # finished RequestOutputs not yet collected
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Completion]]:
         """``sampling.n`` completions of each prompt; ``result[i][j]`` is prompt i's j-th completion.
@@ -112,18 +163,44 @@ class VLLMEngine:
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
         if not prompts:
             return []
+        self.enqueue(prompts, sampling, seeds)
+        return self.collect()
+
+    def enqueue(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> None:
+        """Queue ``generate``'s requests without sampling yet (``step`` and ``collect`` sample them)."""
         self._check_awake("generate", "kv_cache")
         # vLLM seeds sample j of a request with seed + j; scaling by n keeps every sample's seed distinct.
-        params = [self._sampling_params(sampling, seed * sampling.n) for seed in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        return [[_completion(sample) for sample in output.outputs] for output in outputs]
+        params = [self._sampling_params(sampling, seed * sampling.n, len(p)) for p, seed in zip(prompts, seeds)]
+        self.llm.enqueue([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
 
-    def _sampling_params(self, sampling: SamplingConfig, seed: int):
+    def step(self) -> bool:
+        """One sampling step of every queued request, between two chances for weights to land; False once none is
+        left unfinished."""
+        engine = self.llm.llm_engine
+        with self.gate.step():
+            if not engine.has_unfinished_requests():
+                return False
+            self._finished += [output for output in engine.step() if output.finished]
+        return True
+
+    def collect(self) -> list[list[Completion]]:
+        """Step until every queued request has finished; their completions in the order they were queued."""
+        return [[_completion(sample) for sample in output.outputs] for output in self._finish()]
+
+    def _finish(self) -> list:
+        """vLLM's RequestOutputs of every queued request, in queue order, once all have finished (``LLM``'s own
+        loop, one gated step at a time)."""
+        while self.step():
+            pass
+        outputs, self._finished = self._finished, []
+        return sorted(outputs, key=lambda output: int(output.request_id))
+
+    def _sampling_params(self, sampling: SamplingConfig, seed: int, prompt_tokens: int):
         return self._vllm.SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
+            max_tokens=sampling.budget(prompt_tokens),  # a request's own: vLLM stops each at its budget
             stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=True,  # stop on stop_token_ids only, not also on the model's generation-config eos ids
             seed=seed,
@@ -137,7 +214,8 @@ class VLLMEngine:
             return []
         self._check_awake("score", "kv_cache")
         params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        self.llm.enqueue([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        outputs = self._finish()
         # prompt_logprobs[0] is None (the first token has no context); entry t maps token ids to Logprob,
         # always including the prompt's own token seq[t].
         return [
@@ -149,7 +227,7 @@ class VLLMEngine:
         """Load HF-named tensors in place (whole layers; see ``worker_extension``) and drop stale cached KV."""
         self._check_awake("update_weights")
         self.llm.collective_rpc("openpack_load_weights", args=(list(named_tensors),))
-        self.llm.reset_prefix_cache()  # prefix KV computed with the old weights must not be reused
+        self._drop_stale_cache()
 
     def check_weight_names(self, names: list[str]) -> tuple[list[str], list[str]]:
         """(weights this engine holds that ``names`` never reach, names it has no weight for), over its workers."""
@@ -169,7 +247,28 @@ class VLLMEngine:
         """Receive one NCCL-broadcast bucket described by (name, dtype name, shape) rows, and reload it."""
         self._check_awake("receive_weights")
         self.llm.collective_rpc("openpack_receive_weights", args=(metadata,))
-        self.llm.reset_prefix_cache()
+        self._drop_stale_cache()
+
+    def _drop_stale_cache(self) -> None:
+        """Prefix KV computed with the old weights must not be reused; while paused, the requests kept still hold
+        theirs, and ``resume_generation`` drops it all at once."""
+        if not self.gate.closed:
+            self.llm.reset_prefix_cache()
+
+    def pause_generation(self) -> None:
+        """Stop sampling after the step under way, keeping its requests (vLLM's pause, mode "keep")."""
+        self.gate.close()
+        self.llm.sleep(level=0, mode="keep")
+
+    def resume_generation(self, version: int) -> None:
+        """Label the weights now held ``version``; the requests kept recompute their KV cache with them, then sample
+        on (their next tokens are the new version's)."""
+        if not self.gate.closed:
+            raise RuntimeError("resume_generation without pause_generation")
+        self.llm.update_weight_version(str(version))
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.llm.wake_up(["scheduling"])
+        self.gate.open()
 
     def sleep(self) -> None:
         """Free the KV cache and offload weights (vLLM sleep level 1); vLLM is only asked where it was built with
@@ -221,4 +320,17 @@ def _completion(sample) -> Completion:
     """A vLLM CompletionOutput as a Completion; ``sample.logprobs[t]`` maps token ids to Logprob."""
     tokens = list(sample.token_ids)
     logprobs = [sample.logprobs[t][token].logprob for t, token in enumerate(tokens)]
-    return Completion(tokens=tokens, logprobs=logprobs, finished=sample.finish_reason == "stop")
+    return Completion(tokens=tokens, logprobs=logprobs, finished=sample.finish_reason == "stop",
+                      versions=token_versions(sample.weight_versions, len(tokens)))
+
+
+def token_versions(spans, length: int) -> list[int | None] | None:
+    """Each token's policy version from vLLM's spans of weight labels (``WeightVersionSpan(version, start, end)``):
+    None for vLLM's unlabelled "default" weights; None for the whole list where no span has a label."""
+    if not spans or all(not span.version.isdigit() for span in spans):
+        return None
+    versions: list[int | None] = [None] * length
+    for span in spans:
+        if span.version.isdigit():
+            versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+    return versions

@@ -69,9 +69,9 @@ def run_sft(cfg, save_config=None, plan: RankPlan | None = None) -> int:
 
 
 def tokenization(data_cfg) -> SFTTokenization:
-    """How this run's rows become samples: the data section's flags."""
+    """How this run's rows become samples: the data section's flags (text prompts get ``prompt_template()``)."""
     return SFTTokenization(data_cfg.input_key, data_cfg.output_key, data_cfg.messages_key,
-                           data_cfg.apply_chat_template, data_cfg.input_template, data_cfg.max_len,
+                           data_cfg.apply_chat_template, data_cfg.prompt_template(), data_cfg.max_len,
                            data_cfg.overlength_policy, data_cfg.conversation_loss)
 
 

@@ -12,8 +12,9 @@ elsewhere (CI, pipes, ``nohup``) it is one greppable line per step::
 
     step 3/10  loss 2.346  tokens/s 1234  packing 98.7%  eta 0:00:12
 
-Online RL adds ``reward`` and ``vllm_logp_diff`` (the sampler's log-probs against the trainer's), and a
-``MetricLimit`` says once, above the message line, when that difference first passes its bound.
+Online RL adds ``reward``, ``distill/reverse_kl`` (with a distillation teacher) and ``vllm_logp_diff`` (the
+sampler's log-probs against the trainer's), and a ``MetricLimit`` says once, above the message line, when that
+difference first passes its bound.
 
 The ETA is the time per step since the first logged training step, times the
 steps left. The first step carries the warm-up (first allocations, lazy
@@ -47,7 +48,7 @@ from urllib.parse import urlparse
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-PROGRESS_KEYS = ("loss", "reward", "tokens_per_s", "packing_efficiency", "vllm_logp_diff")
+PROGRESS_KEYS = ("loss", "reward", "distill/reverse_kl", "tokens_per_s", "packing_efficiency", "vllm_logp_diff")
 
 
 def format_metric(key: str, value: float) -> str:

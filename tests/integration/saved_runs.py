@@ -6,6 +6,11 @@ import random
 import torch
 
 
+# The sft_jsonl rows' prompts as written: the tests' lengths (--max_len, row caps) were set for them, and
+# train_sft's default template (OpenRLHF's 'User: {}\nAssistant: ', issue 41) would add 18 tokens to each.
+BARE_PROMPTS = ["--input_template", "None"]
+
+
 def strict_json(line: str):
     """``line`` parsed as strict JSON: Python's ``NaN``/``Infinity`` extensions are refused (metrics.jsonl writes
     null for them), so every test that reads metrics checks that too."""

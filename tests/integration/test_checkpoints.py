@@ -22,11 +22,11 @@ from openpack.distributed.checkpoint import verify
 from openpack.distributed.process import free_port
 
 from hang_guard import HANG_S
-from saved_runs import read_metrics
+from saved_runs import BARE_PROMPTS, read_metrics
 
 FLAGS = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
          "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100",
-         "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128"]
+         "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128", *BARE_PROMPTS]
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from openpack.core.context_parallel import split_row
 from openpack.distributed.process import free_port
 
 from context_parallel_script import CASES, LENGTHS, PAIR_LENGTHS, PROMPT_LENGTHS
-from saved_runs import write_pairs
+from saved_runs import BARE_PROMPTS, write_pairs
 
 SCRIPT = Path(__file__).with_name("context_parallel_script.py")
 
@@ -110,7 +110,7 @@ def _sft(save_path, pretrain, dataset, *flags):
 # test_train_sft.py's two steps of 8 samples, packed into rows of up to 128 tokens per rank
 SFT_COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
               "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100", "--launcher",
-              "local", "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128"]
+              "local", "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128", *BARE_PROMPTS]
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,13 @@ from safetensors.torch import load_file
 from openpack.cli import train_dpo, train_rm, train_sft
 
 from hang_guard import HANG_S
-from saved_runs import load_weights, read_metrics
+from saved_runs import BARE_PROMPTS, load_weights, read_metrics
 
 LORA = ["--lora_rank", "8", "--lora_alpha", "16"]
 NO_LORA = ["--train_batch_size", "8", "--learning_rate", "1e-2", "--lr_warmup_ratio", "0", "--lr_scheduler",
            "constant", "--max_len", "48", "--seed", "1", "--max_norm", "100", "--adam_epsilon", "1e-6",
-           "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "160", "--launcher", "local"]
+           "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "160", "--launcher", "local",
+           *BARE_PROMPTS]
 COMMON = [*NO_LORA, *LORA]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # all-linear on Llama
 

@@ -11,7 +11,7 @@ import pytest
 
 from openpack.cli import train_sft
 
-from saved_runs import assert_same_run, save_tiny_llama
+from saved_runs import BARE_PROMPTS, assert_same_run, save_tiny_llama
 
 # --adam_epsilon 1e-6, as in tests/integration/test_train_dpo.py: AdamW moves a weight by lr * g / (|g| + eps), so
 # with eps 1e-8 a weight whose gradient is float noise moves by a noise-sized share of lr. On a Zen 3 EPYC
@@ -20,7 +20,7 @@ from saved_runs import assert_same_run, save_tiny_llama
 # weight check about the gradients the layouts compute.
 COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
           "--lr_scheduler", "constant", "--max_len", "96", "--seed", "1", "--max_norm", "100", "--launcher", "local",
-          "--adam_epsilon", "1e-6"]
+          "--adam_epsilon", "1e-6", *BARE_PROMPTS]
 PACKED = ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "192"]
 PADDED = ["--micro_train_batch_size", "1"]
 

@@ -25,10 +25,10 @@ from openpack.models.tiny import tiny_causal_lm
 from openpack.models.verify import random_segments
 
 from hang_guard import HANG_S
-from saved_runs import load_weights, read_metrics, write_pairs
+from saved_runs import BARE_PROMPTS, load_weights, read_metrics, write_pairs
 
 ABSURD = ["--learning_rate", "1e30", "--max_steps", "8", "--save_steps", "1", "--train_batch_size", "8",
-          "--micro_train_batch_size", "4", "--max_len", "64", "--seed", "1", "--launcher", "local"]
+          "--micro_train_batch_size", "4", "--max_len", "64", "--seed", "1", "--launcher", "local", *BARE_PROMPTS]
 
 
 def assert_nothing_nonfinite_saved(run: Path):
@@ -131,7 +131,7 @@ def test_a_skipped_step_changes_nothing_at_any_zero_stage(stage):
 
 INJECTED = ["--train_batch_size", "8", "--max_steps", "4", "--learning_rate", "1e-3", "--lr_scheduler", "constant",
             "--lr_warmup_ratio", "0.5", "--max_len", "64", "--seed", "1", "--max_norm", "100",
-            "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128"]
+            "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128", *BARE_PROMPTS]
 
 
 @pytest.mark.slow

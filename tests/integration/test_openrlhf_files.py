@@ -65,6 +65,23 @@ TENSOR_REWARD = '''
 '''
 
 
+# Scores that are not the rewards (examples/python/reward_func.py returns both): constant rewards, which give a
+# group nothing to learn from, and scores counting the calls, which differ in every group; two extra logs.
+SCORED_REWARD = '''
+    import itertools, json, pathlib
+    import torch
+
+    calls = itertools.count()
+
+    def reward_func(queries, prompts, labels, **kwargs):
+        index = next(calls)
+        with open(pathlib.Path(__file__).with_name("calls.jsonl"), "a") as f:
+            f.write(json.dumps({"queries": queries, "score": index}) + "\\n")
+        return {"rewards": torch.tensor([1.0]), "scores": torch.tensor([float(index)]),
+                "extra_logs": {"query_chars": torch.tensor([len(queries[0])]), "one": 1.0}}
+'''
+
+
 def write(root, name, text):
     path = root / name
     path.write_text(textwrap.dedent(text))
@@ -101,6 +118,49 @@ def test_openrlhf_example_reward_files_train(text, rl_model, tmp_path):
     reward = write(tmp_path, "reward_func.py", text)
     assert ppo(rl_model, tmp_path / "run", "--reward.remote_url", reward, "--data.label_key", "label") == 0
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]
+
+
+def test_a_reward_files_scores_drive_dynamic_filtering_and_its_extra_logs_are_logged(rl_model, tmp_path):
+    """OpenRLHF 0.11 drops a group by its reward file's ``scores`` (else its rewards) and logs each ``extra_logs``
+    name as a mean over the samples kept (``samples_generator.py``, ``ppo_actor.py``). Every group's rewards here
+    are equal, so a filter on them would keep none; its scores all differ, so every group is kept."""
+    reward = write(tmp_path, "reward_func.py", SCORED_REWARD)
+    assert ppo(rl_model, tmp_path / "run", "--remote_rm_url", reward, "--dynamic_filtering") == 0
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    (metrics,) = read_metrics(tmp_path / "run")
+    assert len(calls) == 8 and metrics["dynamic_filtering/kept_groups"] == 4, metrics
+    assert metrics["dynamic_filtering/refill_rounds"] == 0 and metrics["reward"] == 1.0
+    assert metrics["reward/score"] == pytest.approx(sum(c["score"] for c in calls) / 8)  # 0..7: 3.5
+    assert metrics["reward/extra/query_chars"] == pytest.approx(sum(len(c["queries"][0]) for c in calls) / 8)
+    assert metrics["reward/extra/one"] == 1.0
+
+
+def test_data_max_len_alone_gives_each_completion_what_its_prompt_leaves(rl_model, tmp_path):
+    """OpenRLHF 0.11's RL scripts give --data.max_len without --rollout.max_new_tokens: a prompt and its completion
+    share it, a completion getting what its prompt leaves (``utils/agent.py``). It used to be refused. The queries
+    the reward file gets are prompt + completion: none is longer than 24 tokens, and the budget binds."""
+    from openpack.models.loading import load_tokenizer
+
+    reward = write(tmp_path, "reward_func.py", DICT_REWARD)
+    assert ppo(rl_model, tmp_path / "run", "--reward.remote_url", reward, "--data.max_len", "24") == 0
+    tokenizer = load_tokenizer(str(rl_model / "model"))
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    sizes = [(len(tokenizer(c["prompts"][0], add_special_tokens=False)["input_ids"]),
+              len(tokenizer(c["queries"][0], add_special_tokens=False)["input_ids"])) for c in calls]
+    assert len(sizes) == 8 and all(prompt < query <= 24 for prompt, query in sizes), sizes
+    assert max(query for _, query in sizes) == 24 and max(q - p for p, q in sizes) > 8, sizes  # not COMMON's 8
+
+
+def test_prorls_stop_properly_penalty_zeroes_the_rewards_of_truncated_completions(rl_model, tmp_path):
+    """--reward.stop_properly_penalty_coef 0.0 (OpenRLHF's ProRL v2 script): a completion cut at its 8-token budget
+    earns nothing, one that ended on its stop token keeps the file's 1.0; so the mean reward is the share that
+    ended. A random policy seldom ends within 8 tokens: some are cut, which is what the test needs."""
+    reward = write(tmp_path, "reward_func.py", "def reward_func(queries, prompts, labels):\n    return [1.0]\n")
+    assert ppo(rl_model, tmp_path / "run", "--reward.remote_url", reward,
+               "--reward.stop_properly_penalty_coef", "0.0") == 0
+    (metrics,) = read_metrics(tmp_path / "run")
+    assert metrics["response_length/truncated"] > 0, metrics
+    assert metrics["reward"] == pytest.approx(1 - metrics["response_length/truncated"]), metrics
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -121,3 +121,36 @@ def test_two_ranks_with_prefix_sharing_equal_one_unshared_rank(one_batch_run, tm
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_run(tmp_path / "two", one_batch_run)
     assert_same_critic(tmp_path / "two", one_batch_run)
+
+
+def test_train_ppo_without_an_estimator_is_ppo_with_a_critic(ppo_models, tmp_path, monkeypatch):
+    """Issue 41: OpenRLHF's train_ppo_ray runs PPO with GAE and a critic unless told otherwise; train_ppo ran
+    REINFORCE++ without a critic, so a ported script trained another algorithm. Now the run the driver launches
+    (the launch replaced, after every check) is GAE with a critic, which starts from the reward model when there
+    is one, else from the policy's own weights (a new value head), as OpenRLHF picks it; train_grpo stays critic-
+    and reference-free."""
+    from openpack.cli import train_grpo
+    from openpack.config import commands
+    from openpack.rl.settings import rl_settings
+    from openpack.rl.worker import critic_start
+
+    launched = []
+    monkeypatch.setattr(commands, "launch", lambda worker, cfg, *args, **kwargs: launched.append(cfg) or 0)
+    policy, rm = str(ppo_models / "model"), str(ppo_models / "rm")
+    (tmp_path / "reward.py").write_text("def reward(prompts, completions, rows):\n    return [0.0] * len(prompts)\n")
+    task = ["--pretrain", policy, "--prompt_data", str(ppo_models / "prompts.jsonl"), "--rollout_backend", "hf",
+            "--launcher", "local"]
+    assert train_ppo.main([*task, "--reward_pretrain", rm, "--save_path", str(tmp_path / "rm")]) == 0
+    assert train_ppo.main([*task, "--reward_fn", f"{tmp_path / 'reward.py'}:reward",
+                           "--save_path", str(tmp_path / "rule")]) == 0
+    assert train_grpo.main([*task, "--reward_fn", f"{tmp_path / 'reward.py'}:reward",
+                            "--save_path", str(tmp_path / "grpo")]) == 0
+    with_rm, with_rule, grpo = launched
+    for cfg in (with_rm, with_rule):
+        settings = rl_settings(cfg)
+        assert cfg.rl.advantage_estimator == "gae" and settings.critic and settings.needs_reference
+        assert settings.kl_coef == 0.01 and cfg.rl.critic_pretrain is None
+    assert critic_start(with_rm.rl, with_rm.model.pretrain) == (rm, "--reward_pretrain")
+    assert critic_start(with_rule.rl, with_rule.model.pretrain) == (policy, "--pretrain")
+    assert grpo.rl.advantage_estimator == "group_norm"
+    assert not rl_settings(grpo).critic and not rl_settings(grpo).needs_reference

@@ -17,13 +17,13 @@ import time
 
 import pytest
 
-from saved_runs import assert_same_run, read_metrics
+from saved_runs import BARE_PROMPTS, assert_same_run, read_metrics
 from openpack.cli import train_dpo
 from hang_guard import HANG_S
 
 SFT = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
        "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100",
-       "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128"]
+       "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128", *BARE_PROMPTS]
 DPO = [*SFT[:12], "--max_len", "48", "--seed", "1", "--max_norm", "100", "--loss_type", "sigmoid",
        "--nll_loss_coef", "0.5", "--beta", "0.5", "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu",
        "160", "--adam_epsilon", "1e-6"]  # as test_train_dpo.py: with 1e-8 a float-noise gradient fails the weight check

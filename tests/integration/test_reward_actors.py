@@ -1,5 +1,6 @@
-"""Reward models and the reference as Ray actor groups (`train_ppo --reward_pretrain DIR`, `--ref_num_nodes 1` under
-`--launcher ray`): the same run as with them inside the ranks, and a killed reward actor named by the driver.
+"""Reward models, the reference and a distillation teacher as Ray actor groups (`train_ppo --reward_pretrain DIR`,
+`--ref_num_nodes 1`, `--teacher_num_nodes 1` under `--launcher ray`): the same run as with them inside the ranks,
+and a killed reward actor named by the driver.
 
 The PPO run of test_ppo_critic.py (a tiny reward model with a saved normalisation, the critic started from it,
 HF rollouts), one Ray rank: the rewards come from an actor of their own or from rank 0, and every metric and
@@ -36,21 +37,24 @@ def run(save_path, root, *flags, wait=True):
 
 
 @pytest.mark.slow
-def test_reward_and_reference_actor_groups_equal_the_models_in_the_ranks(ppo_models, tmp_path):
-    """Two ranks, the KL term on (COMMON's --init_kl_coef 0.05): the reward model and the reference each in an
-    actor group of their own, which both ranks ask for their shares, give the same run to 1e-5 as both inside the
-    ranks (`--colocate_critic_reward`: the reward model in rank 0; the reference in every rank, the default).
-    One run of each layout checks both groups: each Ray run costs a cluster start."""
-    two_ranks = ["--num_gpus_per_node", "2"]
-    out = run(tmp_path / "actors", ppo_models, *two_ranks, "--ref_num_nodes", "1")
+def test_reward_reference_and_teacher_actor_groups_equal_the_models_in_the_ranks(ppo_models, tmp_path):
+    """Two ranks, the KL term on (COMMON's --init_kl_coef 0.05) and a distillation teacher (the reward model's
+    causal-LM base, which shares the tokenizer) beside the reward: the reward model, the reference and the teacher
+    each in an actor group of their own, which both ranks ask for their shares, give the same run to 1e-5 as all
+    inside the ranks (`--colocate_critic_reward`: the reward model in rank 0; the reference and the teacher in
+    every rank, the default). One run of each layout checks every group: each Ray run costs a cluster start."""
+    two_ranks = ["--num_gpus_per_node", "2", "--teacher_pretrain", str(ppo_models / "rm_base"), "--distill_coef",
+                 "0.1"]
+    out = run(tmp_path / "actors", ppo_models, *two_ranks, "--ref_num_nodes", "1", "--teacher_num_nodes", "1")
     assert f"ray: placing 1 reward model {ppo_models / 'rm'} actors" in out
-    assert "ray: placing 1 reference actors" in out
+    assert "ray: placing 1 reference actors" in out and "ray: placing 1 teacher actors" in out
     out = run(tmp_path / "in_ranks", ppo_models, *two_ranks, "--colocate_critic_reward")
-    assert "reward model" not in out and "reference actors" not in out
+    assert "reward model" not in out and "reference actors" not in out and "teacher actors" not in out
     assert_same_run(tmp_path / "actors", tmp_path / "in_ranks")
     for a, b in zip(read_metrics(tmp_path / "actors"), read_metrics(tmp_path / "in_ranks")):
         assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
     assert read_metrics(tmp_path / "actors")[-1]["kl"] != 0  # k1: a mean of log-ratios, either sign
+    assert all(m["distill/reverse_kl"] != 0 for m in read_metrics(tmp_path / "actors"))  # the teacher scored
 
 
 @pytest.mark.slow

@@ -125,11 +125,47 @@ def test_rollout_corrections_act_on_stale_samples(task, tmp_path):
         abs(second["is_correction/ratio_mean"] - 1) < 0.1
 
 
-def test_async_with_hf_rollouts_is_refused(rl_task, tmp_path, capsys):  # noqa: F811
+@pytest.mark.vllm
+def test_partial_rollouts_train_and_count_the_tokens_older_versions_sampled(task, tmp_path):
+    """--partial_rollout through the command (in-process vLLM): each weight push pauses the engine between two
+    sampling steps and resumes it, the run completes, and the update logs the share of its tokens sampled by a
+    version older than the one trained: none for batch 1 (version 0 samples and trains it); for the later batches,
+    asked for one version early, more than none (every completion's first token is the older version's) and at
+    most all (where a push landed mid-completion, the tokens after it are the trained version's: 0.89 for batch 3
+    on a loaded 2-core EPYC). Where the push lands is a race here; tests/integration/test_rollout_vllm.py places
+    it by hand and checks the tokens and their log-probs."""
+    run = grpo(task, tmp_path / "partial", "--max_steps", "3", "--async_train", "--partial_rollout")
+    metrics = read_metrics(run)
+    assert [m["async/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
+    shares = [m["async/old_version_tokens"] for m in metrics]
+    assert shares[0] == 0 and all(0 < share <= 1 for share in shares[1:]), shares
+    assert (run / "model" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("flags,fix", [
+    ([], "drop --async_train, or use --rollout_backend vllm"),
+    (["--partial_rollout"], "drop --partial_rollout, or use --rollout_backend vllm")])
+def test_async_with_hf_rollouts_is_refused(rl_task, tmp_path, capsys, flags, fix):  # noqa: F811
     argv = [*rl_task["args"], "--reward_fn", f"{rl_task['rewards']}:vowels", *RL, "--save_path", str(tmp_path),
-            "--launcher", "local", "--rollout_backend", "hf", "--async_train"]
+            "--launcher", "local", "--rollout_backend", "hf", "--async_train", *flags]
     assert train_grpo.main(argv) == 2
-    assert "drop --async_train, or use --rollout_backend vllm" in capsys.readouterr().err
+    assert fix in capsys.readouterr().err
+
+
+def test_partial_rollouts_need_generation_beside_training():
+    """--partial_rollout lands weights in a generation under way: a synchronous run (no --async_train) or one that
+    generates nothing ahead (--max_staleness 0) has none, and is refused naming the fix."""
+    from openpack.config.rl import CONFIGS
+    from openpack.config.schema import ConfigError, parse_config
+
+    def rollout_cfg(*argv):
+        return parse_config(list(argv), "openpack train_ppo", "", *CONFIGS)[4]
+
+    with pytest.raises(ConfigError, match="this run is synchronous: add --async_train, or drop --partial_rollout"):
+        rollout_cfg("--partial_rollout")
+    with pytest.raises(ConfigError, match="--max_staleness 0: no generation is under way"):
+        rollout_cfg("--async_train", "--max_staleness", "0", "--partial_rollout")
+    assert rollout_cfg("--async_train", "--partial_rollout").partial_rollout
 
 
 def test_max_staleness_without_async_train_is_refused_and_defaults_to_1_with_it(tmp_path):

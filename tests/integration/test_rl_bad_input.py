@@ -50,6 +50,35 @@ def test_a_reward_function_that_answers_badly_stops_the_run(body, message, rl_mo
         assert any(t.name == "openpack-reward" and t.is_alive() for t in threading.enumerate())
 
 
+@pytest.mark.parametrize("text,spec,message", [
+    (None, "rule.py:reward", "no file {dir}/rule.py; give the path of the Python file that defines reward"),
+    ("import not_a_module_anywhere\n", "rule.py:reward", "importing {dir}/rule.py failed: ModuleNotFoundError: No "
+     "module named 'not_a_module_anywhere'; fix the file (it is imported where the run starts)"),
+    ("def score(prompts, completions, rows):\n    return [0.0]\n", "rule.py:reward", "{dir}/rule.py has no function "
+     "'reward' (it defines score); name one after the colon, or define reward(prompts, completions, rows)"),
+    ("def reward(completions):\n    return [0.0]\n", "rule.py:reward", "reward(completions) cannot be called as "
+     "reward(prompts, completions, rows), as openpack calls it (too many positional arguments); give it those "
+     "parameters"),
+    ("def reward(prompts, completions, rows):\n    return [0.0]\n", "rule.py", "write it as "
+     "path/to/file.py:function_name"),
+])
+def test_a_reward_function_that_cannot_be_used_is_refused_before_the_run(text, spec, message, rl_model, tmp_path,
+                                                                         capsys, monkeypatch):
+    """Issue 41: checked with the flags, as --remote_rm_url's files are; it used to fail in a rank at the first
+    rollout batch, after the model, DeepSpeed and the engines had started."""
+    from openpack.config import commands
+
+    def started(*args, **kwargs):
+        raise AssertionError("the run started before --reward_fn was checked")
+
+    monkeypatch.setattr(commands, "launch", started)
+    if text is not None:
+        (tmp_path / "rule.py").write_text(text)
+    spec = f"{tmp_path}/{spec}"
+    assert grpo(rl_model, tmp_path / "out", "--reward_fn", spec) == 2
+    assert last_line(capsys) == f"openpack train_grpo: --reward_fn {spec}: {message.format(dir=tmp_path)}"
+
+
 @pytest.mark.parametrize("reply,message", [
     ((500, b"KeyError: 'labels'"), "no answer after 1 tries (HTTP 500 Internal Server Error, body \"KeyError: "
                                    "'labels'\"; timeout 60 s each); the server failed on this batch: see its log"),

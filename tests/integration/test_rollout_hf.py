@@ -4,6 +4,9 @@ Seeded sampling repeats, raw log-probs equal a temperature-1 scoring of the same
 completion after the stop token, and the trainer's RNG stream is left as it was.
 """
 
+from dataclasses import replace
+
+import pytest
 import torch
 
 from openpack.models.tiny import tiny_causal_lm
@@ -57,3 +60,19 @@ def test_greedy_equals_a_one_prompt_at_a_time_decode():
     batch = tokens(hf.generate(PROMPTS, sampling, seeds=[0, 0, 0]))
     alone = [tokens(hf.generate([p], sampling, seeds=[0]))[0] for p in PROMPTS]
     assert batch == alone
+
+
+def test_a_shared_budget_cuts_each_completion_at_what_its_prompt_leaves():
+    """--max_len (OpenRLHF's --data.max_len alone): a completion gets ``max_total - len(prompt)`` tokens. generate
+    takes one max_new_tokens for the batch; cutting each row at its own budget gives what stopping there would:
+    the same seeds without the budget sample the same tokens, longer."""
+    hf = engine()
+    free = SamplingConfig(n=2, temperature=1.0, max_tokens=10, stop_token_ids=[3])
+    shared = replace(free, max_total=9)  # prompts of 4, 2 and 6 tokens: budgets 5, 7 and 3
+    budgets = [9 - len(p) for p in PROMPTS]
+    rows, longer = hf.generate(PROMPTS, shared, seeds=[1, 2, 3]), hf.generate(PROMPTS, free, seeds=[1, 2, 3])
+    for budget, row, long_row in zip(budgets, rows, longer):
+        for c, long in zip(row, long_row):
+            assert c.tokens == long.tokens[:budget] and c.logprobs == pytest.approx(long.logprobs[:budget], abs=1e-6)
+            assert c.finished == (3 in c.tokens) and (c.finished or len(c.tokens) == budget)
+    assert [max(len(c.tokens) for c in row) for row in longer] != budgets  # the budget bound somewhere

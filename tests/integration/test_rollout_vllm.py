@@ -5,6 +5,7 @@ Tolerances are fp32: 1e-4 on log-probs, the issue's bar for "the trainer/vLLM ra
 """
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from openpack.rollout.interface import SamplingConfig
 from openpack.rollout.vllm_engine import VLLMEngine
 from openpack.rollout.weight_sync import (InHostSync, WeightNamesError, check_weight_names, policy_weight_names, policy_weights)
 from openpack.rollout.buckets import layer_buckets
+from openpack.rl.episodes import sampling_versions
 
 TOLERANCE = 1e-4
 SEQUENCES = [p + [(7 * i + 3 * t) % 40 + 4 for t in range(10)] for i, p in enumerate(PROMPTS)]
@@ -94,6 +96,44 @@ def test_weight_sync_in_buckets_reaches_vllm(setup):
     assert max_abs_diff(engine.score(SEQUENCES), before) <= TOLERANCE
 
 
+def test_a_completion_spanning_a_weight_sync_carries_two_versions_with_their_log_probs(setup):
+    """--partial_rollout at the engine, the landing placed by hand (no race): 4 sampling steps with the weights the
+    engine started with (version 0, unlabelled), then ``pause_generation`` (vLLM's pause, requests kept), the rest
+    of the generation started in another thread (it waits at the step gate: nothing samples while paused),
+    version 1's weights pushed in 5 buckets and ``resume_generation(1)``. Every completion holds its 4 tokens of
+    version 0 and then 8 of version 1 (none thrown away or sampled again), and each token's behaviour log-prob
+    equals an HF forward of prompt + completion with the weights of the version recorded for it (1e-4, fp32),
+    while the other version's weights give log-probs over 100x that away: the check tells the versions apart."""
+    model, engine, _, _ = setup
+    wrapped, original = PackedCausalLM(model), {n: p.detach().clone() for n, p in model.named_parameters()}
+    group = EngineGroup([engine], remote=False, in_flight=True)
+    engine.enqueue(PROMPTS, SamplingConfig(n=2, temperature=1.0, max_tokens=12), seeds=[30, 31, 32, 33])
+    for _ in range(4):
+        assert engine.step()
+    group.pause_generation()
+    with ThreadPoolExecutor(1) as worker:
+        rest = worker.submit(engine.collect)
+        perturb(model, seed=7)
+        InHostSync(group, bucket_bytes=200_000).push(policy_weights(wrapped, zero_stage=0), is_main=True)
+        group.resume_generation(1)
+        completions = rest.result()
+    samples = [(PROMPTS[i], c) for i, row in enumerate(completions) for c in row]
+    assert len(samples) == 8 and all(c.versions == [None] * 4 + [1] * 8 for _, c in samples)
+    sequences = [prompt + c.tokens for prompt, c in samples]
+    by_version = {1: trainer_logprobs(model, sequences)}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(original[name])
+    by_version[0] = trainer_logprobs(model, sequences)
+    InHostSync(EngineGroup([engine], remote=False)).push(policy_weights(wrapped, 0), is_main=True)
+    for k, (_, c) in enumerate(samples):
+        versions = sampling_versions(c.versions, len(c.tokens), asked=0)
+        own = [by_version[v][k][t - len(c.tokens)] for t, v in enumerate(versions)]
+        other = [by_version[1 - v][k][t - len(c.tokens)] for t, v in enumerate(versions)]
+        assert max(abs(a - b) for a, b in zip(c.logprobs, own)) <= TOLERANCE, k
+        assert max(abs(a - b) for a, b in zip(c.logprobs[4:], other[4:])) > 100 * TOLERANCE, k
+
+
 def test_weight_names_are_checked_against_the_engines_before_a_push(setup):
     """Every weight the engine holds must be reached by a name the trainer sends (q/k/v and gate/up map to vLLM's
     fused parameters); a missing or unknown name is refused with both named, before any weight is loaded."""
@@ -127,6 +167,22 @@ def test_seeded_samples_repeat_and_carry_raw_logprobs(setup):
     scored = engine.score(sequences)
     for seq, c, s in zip(sequences, samples, scored):
         assert max(abs(a - b) for a, b in zip(c.logprobs, s[-len(c.tokens):])) <= TOLERANCE
+
+
+def test_a_shared_budget_stops_each_request_at_what_its_prompt_leaves(setup):
+    """--max_len (OpenRLHF's --data.max_len alone): each request's own max_tokens is ``max_total - len(prompt)``;
+    a seeded request samples the first tokens of the same request without the budget."""
+    _, engine, _, _ = setup
+    free = SamplingConfig(n=2, temperature=1.0, max_tokens=10, stop_token_ids=[3])
+    shared = SamplingConfig(n=2, temperature=1.0, max_tokens=10, stop_token_ids=[3], max_total=10)
+    budgets = [10 - len(p) for p in PROMPTS]  # 6, 4, 8 and 3
+    rows = engine.generate(PROMPTS, shared, seeds=[40, 41, 42, 43])
+    longer = engine.generate(PROMPTS, free, seeds=[40, 41, 42, 43])
+    for budget, row, long_row in zip(budgets, rows, longer):
+        for c, long in zip(row, long_row):
+            assert c.tokens == long.tokens[:budget], (budget, c.tokens, long.tokens)
+            assert c.finished == (c.tokens[-1] == 3) and (c.finished or len(c.tokens) == budget)
+            assert max(abs(a - b) for a, b in zip(c.logprobs, long.logprobs)) <= TOLERANCE
 
 
 def test_a_batch_over_one_steps_token_budget_samples_seeded(setup):

@@ -1,4 +1,5 @@
-"""Two VLLMEngine Ray actors behind one EngineGroup: sharded generation, weight sync, and a killed engine named.
+"""Two VLLMEngine Ray actors behind one EngineGroup: sharded generation, weight sync, and a killed engine named; then
+the first, which has --partial_rollout's concurrency group, taking weights while a generation of it waits paused.
 
 One test (a Ray cluster and two vLLM engines cost 20-45 s on 2 cores); the script runs in its own process. The file
 sorts after test_rollout_vllm.py on purpose: vLLM inspects a model class in a subprocess the first time it meets it
@@ -31,3 +32,5 @@ def test_engine_actors_generate_sync_and_report_a_dead_engine(tmp_path):
     assert report["changed"] > 1e-2  # both engines took the new weights: log-probs moved
     assert report["died"] is not None and report["died"].startswith("vLLM engine 1 of 2 on ")
     assert " pid " in report["died"] and "died" in report["died"]
+    # --partial_rollout: a generation paused after 3 steps and resumed with pushed weights (rollout_vllm_ray_script)
+    assert report["versions"] == [[None] * 3 + [1] * 5] * 4

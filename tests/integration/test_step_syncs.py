@@ -35,12 +35,12 @@ import openpack.trainers.rm_worker
 import openpack.trainers.sft_worker
 from openpack.cli import train_dpo, train_ppo, train_rm, train_sft
 
-from saved_runs import write_pairs
+from saved_runs import BARE_PROMPTS, write_pairs
 
 READS = ("item", "tolist", "cpu", "__float__")
 NOT_COUNTED = ("openpack/models/attention.py",)  # the CPU attention backend's per-segment loop (see above)
 STEPS = ["--train_batch_size", "8", "--max_steps", "4", "--logging_steps", "2", "--learning_rate", "1e-3",
-         "--max_len", "96", "--seed", "1", "--launcher", "local"]
+         "--max_len", "96", "--seed", "1", "--launcher", "local", *BARE_PROMPTS]
 # Not counted either: torch's AdamW reads its step counter (``torch/optim/optimizer.py``, ``_get_value``) once per
 # tensor it steps, which is once per parameter group under ZeRO-1/2 and once per parameter at stage 0 (one CPU rank).
 # The counter is a CPU tensor on every device (``ChunkedAdamW`` makes it), so the read waits on no kernel.

@@ -223,14 +223,17 @@ def test_bad_agent_flags_are_named(flags, message, rl_model, tmp_path, capsys, o
 
 
 @pytest.mark.vllm
-def test_an_openrlhf_agent_file_trains_through_vllm_asynchronously(tmp_path, rl_model, openrlhf_flags):
+@pytest.mark.parametrize("partial", [[], ["--partial_rollout"]], ids=["async", "partial"])
+def test_an_openrlhf_agent_file_trains_through_vllm_asynchronously(tmp_path, rl_model, openrlhf_flags, partial):
     """In a subprocess, as a user runs it (an in-process engine tears down torch.distributed's default group), with
-    the next batch's episodes running on the engine while this one trains (--async_train, one version late).
-    Synchronous vLLM episodes with --tools are the agent demo's (test_agent_demo.py)."""
+    the next batch's episodes running on the engine while this one trains (--async_train, one version late); with
+    --partial_rollout the weight push lands in those episodes' turns, and batch 2's trained tokens are all or
+    partly the older version's (each turn's tokens keep theirs). Synchronous vLLM episodes with --tools are the
+    agent demo's (test_agent_demo.py)."""
     save_path = tmp_path / "run"
     argv = ["--pretrain", str(rl_model / "model"), "--prompt_data", str(rl_model / "prompts.jsonl"),
             "--save_path", str(save_path), *openrlhf_flags, *COMMON[:-4], "--rollout_backend", "vllm",
-            "--launcher", "local", "--async_train", *PACKED]
+            "--launcher", "local", "--async_train", *partial, *PACKED]
     result = subprocess.run([sys.executable, "-m", "openpack.cli.main", "train_grpo", *argv], capture_output=True,
                             text=True, timeout=HANG_S, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -239,3 +242,4 @@ def test_an_openrlhf_agent_file_trains_through_vllm_asynchronously(tmp_path, rl_
     assert metrics[0]["vllm_logp_diff"] < 1e-4, metrics[0]  # vLLM's log-probs of its own ids, turn after turn
     for m in metrics:  # (batch 2's are the older policy's: its difference measures the staleness too)
         assert m["turns/mean"] > 1 and m["episodes/dropped_groups"] == 0
+    assert metrics[0]["async/old_version_tokens"] == 0 and 0 < metrics[1]["async/old_version_tokens"] <= 1

@@ -15,12 +15,12 @@ from openpack.cli import train_sft
 from openpack.data.demo_tokenizer import build_demo_tokenizer
 from openpack.models.attention import register_packed_attention
 
-from saved_runs import read_metrics
+from saved_runs import BARE_PROMPTS, read_metrics
 
 COEF = 1.0  # large, so that the aux term's share of the gradient is plain
 FLAGS = ["--train_batch_size", "8", "--max_steps", "1", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
          "--max_len", "64", "--seed", "1", "--launcher", "local", "--logging_steps", "1",
-         "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128"]
+         "--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128", *BARE_PROMPTS]
 
 
 def save_tiny_moe(path, coef: float) -> str:

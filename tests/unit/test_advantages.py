@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from openpack.core.advantages import (AdaptiveKLController, FixedKLController, clip_rewards, gae, keep_groups, kl,
-                                      kl_controller, overlong_penalty, sequence_advantages, token_returns,
-                                      token_rewards, whiten, whitens)
+                                      kl_controller, overlong_penalty, sequence_advantages, stop_properly_penalty,
+                                      token_returns, token_rewards, whiten, whitens)
 from openpack.core.rl_losses import PolicyLossParams, policy_terms, token_weights, value_terms
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
@@ -194,6 +194,18 @@ def test_overlong_penalty_below_inside_and_beyond_the_buffer():
     for buffer_len in (20, 0):
         with pytest.raises(ValueError, match="must be at least 1 and shorter than generate_max_len"):
             overlong_penalty(lengths, 20, buffer_len, 1.0)
+
+
+def test_stop_properly_penalty_scales_or_replaces_the_truncated_rewards():
+    """ProRL (OpenRLHF 0.11's --reward.stop_properly_penalty_coef): responses 2 and 3 were cut at their budget.
+    coef 0.5 halves their rewards (0.5 -> 0.25, -2 -> -1), 0 zeroes them, -0.5 replaces them; 1 leaves all."""
+    rewards, truncated = torch.tensor([1.0, 0.5, -2.0, 3.0]), torch.tensor([False, True, True, False])
+    close(stop_properly_penalty(rewards, truncated, 0.5), [1, 0.25, -1, 3])
+    close(stop_properly_penalty(rewards, truncated, 0.0), [1, 0, 0, 3])
+    close(stop_properly_penalty(rewards, truncated, -0.5), [1, -0.5, -0.5, 3])
+    close(stop_properly_penalty(rewards, truncated, 1.0), [1, 0.5, -2, 3])
+    with pytest.raises(ValueError, match="scales a reward by"):
+        stop_properly_penalty(rewards, truncated, 1.5)
 
 
 def test_clip_rewards():

@@ -336,6 +336,33 @@ def test_episodes_become_rollouts_of_their_sampled_ids_and_failed_groups_are_lef
     assert rollouts.response_lengths() == [3, 3] and rollouts.lengths() == [(6,), (6,)]
 
 
+def test_per_turn_rewards_are_clipped_like_an_episode_s():
+    """--per_turn_reward credits each turn's reward to its last sampled token; --reward_clip_range (by default
+    OpenRLHF's -10 10) clips each of them, as it clips an episode's one reward. One episode of 3 sampled tokens,
+    turn rewards 4, 25, 3 (REINFORCE, gamma 1): clipped 4, 10, 3, so the returns-to-go are 17, 13, 3 (unclipped
+    32, 28, 3), then whitened over the batch's tokens."""
+    import torch
+
+    from openpack.core.advantages import whiten
+    from openpack.core.rl_losses import PolicyLossParams
+    from openpack.rl.episodes import Rollouts
+    from openpack.rl.experience import advantages
+    from openpack.rl.settings import RLSettings
+
+    rollouts = Rollouts([[1, 2]], [[5, 6, 7]], [[0.0, 0.0, 0.0]], [True], rewards=[32.0], targets=[[True] * 3],
+                        env_rewards=[32.0], turn_credit=[[4.0, 25.0, 3.0]])
+
+    def settings(clip):
+        return RLSettings(n_samples_per_prompt=1, advantage_estimator="reinforce", loss_agg_mode="token_mean",
+                          generate_max_len=8, policy=PolicyLossParams(), kl_coef=0.0, use_kl_loss=False,
+                          per_turn_reward=True, reward_clip_range=clip)
+
+    (clipped,), _ = advantages(rollouts, settings((-10.0, 10.0)), None, None)
+    (unclipped,), _ = advantages(rollouts, settings(None), None, None)
+    torch.testing.assert_close(clipped.double(), whiten(torch.tensor([17.0, 13.0, 3.0])).double())
+    torch.testing.assert_close(unclipped.double(), whiten(torch.tensor([32.0, 28.0, 3.0])).double())
+
+
 def test_turns_waiting_together_go_to_the_engine_in_one_call_per_budget():
     """Turns of different episodes that wait together share an engine call (one per distinct token budget); with
     batching off (HF) each is a call of its own. Results reach the turn that asked."""

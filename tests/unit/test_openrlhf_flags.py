@@ -1,20 +1,23 @@
 """OpenRLHF 0.11's flags (issue 41): every one of the 402 names its training commands define is in
 ``config/openrlhf.py``'s table, sets the openpack flag that means the same or is refused by name, and an OpenRLHF
-0.11 command line gives the same ``config.yaml`` as its equivalent in openpack's names.
+0.11 command line gives the same ``config.yaml`` as its equivalent in openpack's names. Every default that differs
+between the two is in the table's ``KEPT_DEFAULTS``, with why openpack keeps its own.
 
 ``tests/data/openrlhf_0_11/flags.tsv`` lists the names with their number of values and defaults, read from
 0.11.0's source by ``extract_flags.py`` beside it; a flag missing from the table, or one the table has and 0.11
-does not, fails here.
+does not, fails here, and so does a default that comes to differ (or stops differing) on either side.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from openpack.config import commands, openrlhf
+from openpack.config import commands, openrlhf, rl_checks
 from openpack.config.runner import run_training
 from openpack.config.schema import ConfigError
 
@@ -22,6 +25,16 @@ DATA = Path(__file__).parents[1] / "data" / "openrlhf_0_11"
 COMMANDS = {"train_sft": "train_sft", "train_dpo": "train_dpo", "train_rm": "train_rm", "train_ppo_ray": "train_ppo"}
 RUNS = {"train_sft": commands.SFT, "train_dpo": commands.DPO, "train_rm": commands.RM, "train_ppo": commands.PPO,
         "train_grpo": commands.GRPO}
+
+
+def load_docs_tables():
+    """``tests/data/openrlhf_0_11/docs_tables.py``: the docs page's tables and ``differing_defaults``."""
+    sys.path.insert(0, str(DATA))
+    try:
+        import docs_tables
+    finally:
+        sys.path.remove(str(DATA))
+    return docs_tables
 
 
 def openrlhf_flags() -> dict[str, dict[str, tuple[str, object]]]:
@@ -261,7 +274,13 @@ def test_a_refused_flag_exits_2_with_one_line_before_any_work(monkeypatch, capsy
     (["--critic.freezing_steps", "-1"], ["--freezing_actor_steps", "0"]),
     (["--data.max_len", "1000", "--train.agent_func_path", "a.py"],
      ["--max_episode_tokens", "1000", "--agent_func_path", "a.py"]),
-    (["--rollout.vllm_generate_batch_size", "128"], []),
+    (["--data.max_len", "2048"], ["--max_len", "2048", "--prompt_max_len", "2047", "--generate_max_len", "2048"]),
+    (["--data.max_len", "2048", "--rollout.max_new_tokens", "512"], ["--prompt_max_len", "1536",
+                                                                      "--generate_max_len", "512"]),
+    (["--train.agent_func_path", "a.py", "--data.max_len", "74240", "--rollout.max_new_tokens", "64000"],
+     ["--agent_func_path", "a.py", "--max_episode_tokens", "74240", "--prompt_max_len", "10240",
+      "--generate_max_len", "64000"]),  # OpenRLHF's agent turns get what the episode has left
+    (["--rollout.vllm_generate_batch_size", "1024"], []),  # the run's --rollout_batch_size (the default)
     (["--reward.remote_url", "/openrlhf/examples/python/reward_func.py"],
      ["--remote_rm_url", "/openrlhf/examples/python/reward_func.py"]),  # OpenRLHF's reward file (issue 41)
     (["--critic.adam.eps", "1e-08"], []),
@@ -274,6 +293,7 @@ def test_rl_values_keep_openrlhfs_meaning(argv, classic):
 @pytest.mark.parametrize("argv,note", [
     (["--algo.advantage.is_correction_type", "icepop"], "no correction, as in OpenRLHF without"),
     (["--train.async_queue_size", "4"], "nothing to queue"),
+    (["--rollout.max_tokens_per_gpu", "32768"], "pack under the training cap"),  # a speed knob: same numbers
 ])
 def test_a_setting_openrlhf_ignores_alone_is_said_and_sets_nothing(argv, note):
     translated = openrlhf.translate("train_ppo", argv)
@@ -281,10 +301,8 @@ def test_a_setting_openrlhf_ignores_alone_is_said_and_sets_nothing(argv, note):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--data.max_len", "2048"], "without --rollout.max_new_tokens"),
     (["--reward.remote_url", "http://a,http://b"], "several reward servers"),
     (["--critic.adam.betas", "0.9", "0.99"], "optimizer settings of the critic's own"),
-    (["--rollout.max_tokens_per_gpu", "8192", "--train.max_tokens_per_gpu", "16384"], "a token cap"),
     (["--reward.overlong_buffer_len", "10.5"], "a whole number"),
 ])
 def test_rl_values_openpack_cannot_take_are_refused(argv, expected):
@@ -310,15 +328,101 @@ def test_help_shows_both_names(capsys):
 
 
 def test_the_docs_page_holds_the_whole_table():
-    import sys
-
-    sys.path.insert(0, str(DATA))
-    try:
-        import docs_tables
-    finally:
-        sys.path.remove(str(DATA))
+    docs_tables = load_docs_tables()
     page = docs_tables.DOCS.read_text()
     assert f"{docs_tables.BEGIN}\n{docs_tables.tables()}\n{docs_tables.END}" in page, \
         "docs/openrlhf.md is behind the table: run python tests/data/openrlhf_0_11/docs_tables.py"
     for flags in openrlhf_flags().values():
         assert all(f"| `{flag}` |" in page for flag in flags)
+
+
+@pytest.mark.parametrize("command", sorted(RUNS))
+def test_every_default_that_differs_from_0_11_has_its_reason(command):
+    """Both sides' defaults, from their sources: OpenRLHF 0.11.0's parsers (flags.tsv) and openpack's config
+    dataclasses, each OpenRLHF default translated by the table (so -1 is none, bf16 is --bf16). The flags whose
+    defaults differ are exactly those ``KEPT_DEFAULTS`` gives a one-line reason for: openpack took every other
+    default from OpenRLHF (issue 41), and a default changed on either side fails here until it is adopted or
+    explained."""
+    differ, kept = load_docs_tables().differing_defaults(command), openrlhf.KEPT_DEFAULTS[command]
+    assert sorted(set(differ) - set(kept)) == [], "defaults that differ from OpenRLHF 0.11's with no reason in " \
+        "config/openrlhf.py's KEPT_DEFAULTS: take OpenRLHF's, or say why not"
+    assert sorted(set(kept) - set(differ)) == [], "reasons for defaults that no longer differ: drop them"
+    assert all(why and "\n" not in why for why in kept.values())
+
+
+def test_a_default_changed_on_either_side_is_seen(monkeypatch):
+    """The comparison above can fail: a value OpenRLHF changes, an openpack field default changed, a switch
+    openpack turns on by default and a none OpenRLHF leaves unset against a value each show as differing."""
+    from openpack.config import rl, sections, sft
+
+    docs_tables = load_docs_tables()
+    same = docs_tables.differing_defaults("train_sft")
+    assert "--adam.lr" not in same and "--train.max_epochs" not in same
+    theirs = {**docs_tables.openrlhf_defaults()["train_sft"], "--adam.lr": 1e-4}
+    assert docs_tables.differing_defaults("train_sft", theirs)["--adam.lr"] == ("0.0001", "--learning_rate 5e-06")
+
+    def set_default(section, name, value):
+        monkeypatch.setattr(next(f for f in dataclasses.fields(section) if f.name == name), "default", value)
+
+    set_default(sft.SFTTrainConfig, "max_epochs", 1)
+    set_default(sections.ModelConfig, "gradient_checkpointing", True)
+    assert {"--train.max_epochs", "--model.gradient_checkpointing_enable"} <= set(
+        docs_tables.differing_defaults("train_sft"))
+    assert "--data.label_key" not in docs_tables.differing_defaults("train_ppo")
+    set_default(rl.PromptDataConfig, "label_key", "answer")
+    assert docs_tables.differing_defaults("train_ppo")["--data.label_key"] == ("none", "--label_key answer")
+
+
+# OpenRLHF 0.11's RL example scripts (``example_scripts.tsv``: each script's train_ppo_ray flags, as bash expands
+# them, written by ``extract_example_scripts.py``): accepted with only paths, sizes and GPU counts to change (with
+# the token budgets they get: --max_len, --prompt_max_len, --generate_max_len), or refused at start by the first
+# flag that asks for a feature openpack lacks.
+SHARED_2048 = (2048, 2047, 2048)  # --data.max_len 2048 alone: a budget each completion shares with its prompt
+EXAMPLE_SCRIPTS = {
+    "train_ppo_ray_hybrid_engine.sh": SHARED_2048,
+    "train_ppo_with_reward_fn.sh": SHARED_2048,
+    "train_dapo_ray_hybrid_engine.sh": SHARED_2048,
+    "train_prorlv2_math_hybrid_engine.sh": (None, 1024, 8192),  # --data.max_len 9216 --rollout.max_new_tokens 8192
+    "train_reinforce_baseline_hybrid_engine.sh": "--ds.ring_attn_size 2: context parallelism in RL",
+    "train_reinforce_baseline_ray_agent_async.sh": "--ds.ring_attn_size 2: context parallelism in RL",
+    "train_vlm_math_hybrid_engine.sh": "--data.max_images_per_prompt 1: vision-language models",
+}
+
+
+def example_scripts() -> dict[str, list[str]]:
+    rows = (line.split("\t") for line in (DATA / "example_scripts.tsv").read_text().splitlines()
+            if not line.startswith("#"))
+    return {script: json.loads(argv) for script, argv in rows}
+
+
+def test_the_example_scripts_are_0_11s_rl_scripts():
+    assert set(example_scripts()) == set(EXAMPLE_SCRIPTS)
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLE_SCRIPTS))
+def test_an_openrlhf_example_script_is_accepted_or_refused_naming_the_feature(script):
+    argv, expected = example_scripts()[script], EXAMPLE_SCRIPTS[script]
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError) as err:
+            openrlhf.translate("train_ppo", argv)
+        assert str(err.value).startswith(expected) and "is not in openpack" in str(err.value), err.value
+        return
+    translated = openrlhf.translate("train_ppo", argv)
+    cfg = commands.PPO.run_config.parse(translated.argv, "openpack train_ppo", "", aliases=commands.PPO.aliases)
+    assert (cfg.rollout.max_len, cfg.data.prompt_max_len, cfg.rollout.generate_max_len) == expected
+    rl_checks.check_shared_budget(cfg)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--max_len", "512"], "--prompt_max_len 1024 leaves a prompt no room for a completion within --max_len 512: "
+                           "give --prompt_max_len below it (prompts longer are left out), e.g. 511"),
+    (["--max_len", "512", "--prompt_max_len", "100", "--env_file", "env.py"],
+     "--max_len 512 is the budget of a prompt and its single completion; an episode's is --max_episode_tokens: "
+     "give that instead"),
+])
+def test_a_shared_budget_that_cannot_hold_is_refused(argv, expected):
+    """--max_len (OpenRLHF's --data.max_len alone) leaves every prompt kept room for one token of completion."""
+    cfg = commands.PPO.run_config.parse(argv, "openpack train_ppo", "", aliases=commands.PPO.aliases)
+    with pytest.raises(ConfigError) as err:
+        rl_checks.check_shared_budget(cfg)
+    assert str(err.value) == expected

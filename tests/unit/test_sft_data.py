@@ -247,6 +247,31 @@ def test_input_template_formats_text_prompts(tok):
     assert samples[0].targets == [False] * 11 + [True] * 2
 
 
+def test_input_template_leaves_trls_rows_as_trl_reads_them(tok):
+    """The template is OpenRLHF's flag for OpenRLHF's keys: a row read by --input_key/--output_key gets it, TRL's
+    prompt/completion row in the same file does not (TRL adds no template)."""
+    rows = rows_of({"prompt": "1+2=", "response": "3"}, {"prompt": "1+2=", "completion": "3"})
+    samples, _ = tokenize(tok, rows, apply_chat_template=False, input_template="q: {}\na: ")
+    assert [tok.decode(s.tokens) for s in samples] == ["q: 1+2=\na: 3<eos>", "1+2=3<eos>"]
+
+
+def test_train_sft_s_default_template_is_openrlhfs_and_gives_way_to_the_chat_template():
+    """Issue 41: OpenRLHF's train_sft wraps text prompts in 'User: {}\\nAssistant: ' unless the chat template is
+    applied, and so does train_sft now; with --apply_chat_template the default is not used and not refused, while
+    a template the user gives with it still is."""
+    from openpack.config.schema import ConfigError
+    from openpack.config.sft import SFTRunConfig
+
+    def data(*argv):
+        return SFTRunConfig.parse(list(argv), "openpack train_sft", "").data
+
+    assert data().prompt_template() == "User: {}\nAssistant: "
+    assert data("--apply_chat_template").prompt_template() is None
+    assert data("--input_template", "None").prompt_template() is None
+    with pytest.raises(ConfigError, match="drop one of the two"):
+        data("--apply_chat_template", "--input_template", "q: {}")
+
+
 @pytest.mark.parametrize("template, chat, match", [
     ("q: ", False, r"--input_template 'q: ' has no \{\}"),
     ("q: {}\\na: ", False, r"--input_template .* the two characters \\n"),

@@ -26,6 +26,8 @@ class Episode:
     tokens: list[int] = field(default_factory=list)
     targets: list[bool] = field(default_factory=list)
     behaviour: list[float] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)  # each token's sampling version where the engine
+    # labelled it (--partial_rollout), else None (an observation, or the weights the batch was asked with)
     turn_ends: list[int] = field(default_factory=list)  # index in ``tokens`` of each turn's last sampled token
     turn_rewards: list[float] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # the environment's extra metrics, last turn's
@@ -54,8 +56,8 @@ class Episode:
     def sampled_tokens(self) -> int:
         return sum(self.targets)
 
-    def add_action(self, ids: list[int], logprobs: list[float]) -> None:
-        """The engine's sampled ids and their behaviour log-probs: the turn's targets."""
+    def add_action(self, ids: list[int], logprobs: list[float], versions: list[int | None] | None = None) -> None:
+        """The engine's sampled ids and their behaviour log-probs (and sampling versions): the turn's targets."""
         if len(ids) != len(logprobs):
             raise ValueError(f"an action of {len(ids)} tokens came with {len(logprobs)} log-probs")
         if not ids:
@@ -63,6 +65,7 @@ class Episode:
         self.tokens += ids
         self.targets += [True] * len(ids)
         self.behaviour += list(logprobs)
+        self.versions += list(versions) if versions is not None else [None] * len(ids)
         self.turn_ends.append(len(self.tokens) - 1)
         self.turn_rewards.append(0.0)
 
@@ -77,6 +80,7 @@ class Episode:
         self.tokens += ids
         self.targets += [False] * len(ids)
         self.behaviour += [0.0] * len(ids)
+        self.versions += [None] * len(ids)
 
     def token_rewards(self) -> list[float]:
         """[len(tokens)] each turn's reward on its last sampled token, 0 elsewhere (per-turn credit)."""

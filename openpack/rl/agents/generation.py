@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from openpack.distributed.process import all_gather_objects, broadcast_object
 from openpack.rl.agents.episode import Episode
 from openpack.rl.agents.runner import Limits, check_failures, episode_metrics, run_episodes
-from openpack.rl.episodes import Rollouts
+from openpack.rl.episodes import Rollouts, sampling_versions
 from openpack.rl.generation import Pending, _share, request_seed
 from openpack.rollout.interface import Completion, SamplingConfig
 
@@ -205,6 +205,8 @@ def episode_rollouts(episodes: list[Episode], n: int, version: int) -> tuple[Rol
             rollouts.behaviour.append([b for b, t in zip(e.behaviour, e.targets) if t])
             rollouts.finished.append(e.finished)
             rollouts.versions.append(version)
+            rollouts.token_versions.append(sampling_versions([v for v, t in zip(e.versions, e.targets) if t],
+                                                             e.sampled_tokens, version))
             rollouts.env_rewards.append(e.reward)
             rollouts.turn_credit.append([r for r, t in zip(e.token_rewards(), e.targets) if t])
     return rollouts, dropped

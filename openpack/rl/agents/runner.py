@@ -56,7 +56,7 @@ async def run_episode(make_env, sample: dict, policy, tokenizer, limits: Limits,
     while True:
         budget = min(limits.max_new_tokens, limits.max_tokens - episode.length)
         completion = await policy(episode.prompt + episode.tokens, budget, episode.turns)
-        episode.add_action(list(completion.tokens), list(completion.logprobs))
+        episode.add_action(list(completion.tokens), list(completion.logprobs), completion.versions)
         action = tokenizer.decode(completion.tokens, skip_special_tokens=True)
         try:
             result = await asyncio.wait_for(env.step(action), limits.env_timeout_s)

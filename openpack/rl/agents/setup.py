@@ -12,8 +12,11 @@ CONCURRENCY = 64
 
 
 def episode_budget(cfg) -> int:
-    """The most tokens one sequence of the run can have: a prompt and its completion, or a whole episode."""
+    """The most tokens one sequence of the run can have: a prompt and its completion (at most --max_len), or a
+    whole episode."""
     single = cfg.data.prompt_max_len + cfg.rollout.generate_max_len
+    if cfg.rollout.max_len is not None:
+        single = min(single, cfg.rollout.max_len)
     agent_cfg = getattr(cfg, "agent", None)
     if agent_cfg is None or not agent_cfg.enabled:
         return single
