@@ -23,7 +23,7 @@ from pathlib import Path
 
 from openpack.config.schema import ConfigError, RunConfig, arg
 from openpack.config.sections import (LaunchConfig, ModelConfig, OutputConfig, TrainConfig, check_template_flags,
-                                      ring_attn_size_arg)
+                                      data_cache_dir_arg, dataset_num_proc_arg, ring_attn_size_arg)
 from openpack.core.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from openpack.core.rl_losses import IS_CORRECTIONS, LOSS_AGG_MODES, POLICY_LOSSES
 from openpack.rl.agents import setup as agent_setup
@@ -50,6 +50,8 @@ class PromptDataConfig:
     prompt_max_len: int = arg(1024, "prompts longer than this many tokens are left out (and counted)", at_least=1)
     max_samples: int | None = arg(None, "use at most this many prompts", at_least=1, special={None: "every prompt"})
     skip_bad_samples: bool = arg(False, "skip and count malformed rows instead of stopping with an error")
+    data_cache_dir: str | None = data_cache_dir_arg()
+    dataset_num_proc: int | None = dataset_num_proc_arg()
 
     def validate(self):
         check_template_flags(self.input_template, self.apply_chat_template)

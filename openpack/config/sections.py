@@ -75,6 +75,19 @@ def check_lora_flags(model: ModelConfig) -> None:
         raise ConfigError(str(err)) from err
 
 
+def data_cache_dir_arg():
+    """--data_cache_dir, in every command's data section (docs/sft.md, "Large datasets")."""
+    return arg(None, "where the rows' tokenized lengths are cached, keyed by the data files' sha256, the tokenizer, "
+               "the template and the length flags: a second run or a resume tokenizes nothing",
+               special={None: "$OPENPACK_CACHE/data, else ~/.cache/openpack/data"})
+
+
+def dataset_num_proc_arg():
+    """--dataset_num_proc, in every command's data section."""
+    return arg(None, "processes that tokenize the rows for their lengths (TRL's dataset_num_proc)", at_least=1,
+               special={None: "every core this process may use"})
+
+
 @dataclass
 class DatasetConfig:
     """Where rows come from and how many; shared by every training command."""
@@ -86,6 +99,8 @@ class DatasetConfig:
     overlength_policy: str = arg("truncate", "sequences over --max_len", choices=["truncate", "drop", "error"])
     skip_bad_samples: bool = arg(False, "skip and count malformed rows instead of stopping with an error")
     max_samples: int | None = arg(None, "use at most this many samples", at_least=1, special={None: "every sample"})
+    data_cache_dir: str | None = data_cache_dir_arg()
+    dataset_num_proc: int | None = dataset_num_proc_arg()
 
 
 def check_template_flags(input_template: str | None, apply_chat_template: bool) -> None:

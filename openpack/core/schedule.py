@@ -30,6 +30,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from openpack.core.packing import deal_to_ranks, plan_packs, shuffled_epoch
 
 
@@ -42,7 +44,7 @@ class StepPlan:
     max_tokens: int | None = None
 
     def real_tokens(self, group_lengths: Sequence[Sequence[int]]) -> int:
-        return sum(sum(group_lengths[i]) for i in self.sample_ids)
+        return int(sum(sum(group_lengths[i]) for i in self.sample_ids))
 
 
 @dataclass
@@ -71,7 +73,7 @@ class RankPlan:
     """Everything one rank is told about the data: the run's steps, and which rows its sample ids are."""
 
     steps: list[RankStep]
-    rows: list[int]  # rows[i]: the loaded row that sample id i was tokenized from
+    rows: Sequence[int]  # rows[i]: the row sample id i is (a global row id, ``data/loading.py``; a numpy array)
     fingerprint: str  # identity of the tokenized data (keys the reference log-prob cache)
     datasets: list[str]  # where the rows are (--dataset, or the demo's files)
     scoring: list[list[int]] | None = None  # this rank's share of every sample once (a reference pass)
@@ -137,7 +139,7 @@ def step_digest(sample_ids: Sequence[int], group_lengths: Sequence[Sequence[int]
     another batch size, seed, data order, ``max_len`` or tokenization changes it. A checkpoint keeps the
     digests of the steps it has taken, so a resume can tell whether the new plan continues them.
     """
-    key = repr([(i, tuple(group_lengths[i])) for i in sorted(sample_ids)])
+    key = repr([(i, tuple(int(n) for n in group_lengths[i])) for i in sorted(sample_ids)])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -159,7 +161,8 @@ def plan_run(
     """Every step of the run, as each rank sees it: ``plan_run(...)[rank][global_step]``.
 
     ``group_lengths[i]`` / ``group_labels[i]``: tokens and label tokens of
-    sample i's segments.
+    sample i's segments (lists, or a numpy array [samples, segments]: the
+    driver's, 8 bytes a segment).
     """
     last = total_steps(len(group_lengths), train_batch_size, max_epochs, max_steps)
     ranks: list[list[RankStep]] = [[] for _ in range(world_size)]
@@ -169,7 +172,7 @@ def plan_run(
             if len(ranks[0]) == last:
                 break
             step = plan_step(sample_ids, group_lengths, world_size, batching.max_tokens, batching.micro_batch_size)
-            labels = tuple(map(sum, zip(*(group_labels[i] for i in sample_ids))))
+            labels = tuple(int(n) for n in map(sum, zip(*(group_labels[i] for i in sample_ids))))
             rows = sum(len(mbs) for mbs in step.rank_micro_batches)
             digest = step_digest(sample_ids, group_lengths)
             for rank, micro_batches in enumerate(step.rank_micro_batches):
@@ -182,5 +185,6 @@ def plan_run(
 
 def plan_scoring(group_lengths: Sequence[Sequence[int]], world_size: int, max_tokens: int) -> list[list[list[int]]]:
     """Every sample once, packed into rows of ``max_tokens`` (at least the longest group), dealt to ranks."""
-    cap = max([max_tokens] + [sum(lengths) for lengths in group_lengths])
+    totals = group_lengths.sum(axis=1) if isinstance(group_lengths, np.ndarray) else map(sum, group_lengths)
+    cap = max(max_tokens, int(max(totals, default=0)))
     return plan_step(range(len(group_lengths)), group_lengths, world_size, max_tokens=cap).rank_micro_batches

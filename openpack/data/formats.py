@@ -11,8 +11,9 @@ inside jinja; here the error names the row, the message and the role.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
-from openpack.data.loading import DataError
+from openpack.data.loading import DataError, skip_or_raise
 
 SKIP_FIX = "or pass --skip_bad_samples to skip and count such rows"
 # The roles of OpenAI's chat format that chat templates render; "developer" is its newer name for "system".
@@ -63,6 +64,20 @@ def render_chat(tokenizer, source: str, messages: list, **kwargs) -> str:
                         "rejected by the chat template") from err
 
 
+def encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """``tokenizer(texts, add_special_tokens=...)["input_ids"]``, the same ids, through the Rust tokenizer's
+    ``encode_batch_fast`` when transformers would call it with the same settings (no truncation, no padding, the
+    same special-token splitting): it skips offsets and transformers' per-text dicts, 1.5-2x faster on 10k rows
+    (demo and SmolLM2 tokenizers, 2 cores)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    fast = (backend is not None and hasattr(backend, "encode_batch_fast") and backend.truncation is None
+            and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)))
+    if not fast:
+        return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+
+
 def check_input_template(template: str | None, apply_chat_template: bool) -> None:
     """--input_template must hold ``{}`` and real newlines, and cannot be combined with the chat template."""
     if template is None:
@@ -91,6 +106,43 @@ def common_prefix(ids: list[int], other: list[int]) -> int:
             break
         n += 1
     return n
+
+
+@dataclass
+class Outcome:
+    """What tokenizing one row gave: a sample, a bad row's error, or why a good row was dropped.
+
+    ``kind`` is the row's format once its keys were read (counted in the summary line even when the row is dropped
+    later); ``truncated`` and ``prompt_tail`` say the sample was cut to --max_len or lost its prompt's tail to a BPE
+    merge. ``tokenize_sft``/``tokenize_pairs`` fold a list of these (``fold``); the driver's cached pass
+    (``prepared.py``) keeps them as a few numbers per row.
+    """
+
+    sample: object = None
+    error: DataError | None = None  # error.reason None: not skippable (e.g. --overlength_policy error)
+    dropped: str | None = None
+    kind: str | None = None
+    truncated: bool = False
+    prompt_tail: bool = False
+
+
+def fold(outcomes: list[Outcome], skip_bad_samples: bool, report) -> tuple[list, int]:
+    """The kept samples of ``outcomes``, in row order, and how many lost a prompt tail; bad rows raise (or are
+    counted in ``report.skipped`` when skipping), drops and cuts are counted in ``report``."""
+    samples, prompt_tails = [], 0
+    for outcome in outcomes:
+        if outcome.kind is not None:
+            report.formats[outcome.kind] += 1
+        if outcome.error is not None:
+            skip_or_raise(outcome.error, skip_bad_samples, report.skipped)
+        elif outcome.dropped is not None:
+            report.dropped += 1
+            report.drop_reasons[outcome.dropped] += 1
+        else:
+            report.truncated += outcome.truncated
+            prompt_tails += outcome.prompt_tail
+            samples.append(outcome.sample)
+    return samples, prompt_tails
 
 
 def summary(kept: int, noun: str, rows: int, formats: Counter, truncated: int, max_len: int, drop_reasons: Counter,

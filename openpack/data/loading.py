@@ -1,20 +1,27 @@
-"""Rows for training from local files, folders or the Hugging Face hub, with mixing.
+"""Rows for training from local files, folders or the Hugging Face hub, read by index, with mixing.
 
-``--dataset`` names one or more datasets; each becomes a list of JSON-object
-rows, each row tagged with where it came from (``data/train.jsonl:17``), so
-every later error can say "fix line 17" instead of "sample 16383".
+``--dataset`` names one or more datasets; each is a list of ``RowFile``s
+whose rows are read by index and never all held: a JSONL file is a table of
+where each line starts (8 bytes a line, found by one numpy scan), and a row
+is one ``pread`` of its line; a parquet file is a memory-mapped Arrow table;
+a hub dataset is ``datasets``' own memory-mapped Arrow cache. Every row is
+tagged with where it came from (``data/train.jsonl:17``), so every later
+error can say "fix line 17" instead of "sample 16383". A row has a *global
+id*: its place in the datasets' files, concatenated in order (blank lines
+included), the same in the driver and on every rank.
 
 Trade-offs:
 
-* Everything is read into memory as Python dicts. That keeps the code short
-  and lets the driver plan packs over the whole epoch (DESIGN.md: the planner
-  sees every length). Measured on 2 CPU cores: 100k rows of 500 characters
-  (53 MB of JSONL) take 1 s and ~100 MB of RAM, with a ~210 MB peak while
-  reading; tens of millions of rows would need a streaming reader.
-* JSONL is read line by line with ``json.loads`` rather than through
+* A 60 MB JSONL of 200k rows costs 1.6 MB of line offsets (the old loader
+  held every row as a dict: about 1 KB a row). ``load_rows`` still returns
+  every row as Python dicts (``Rows``): for small sets (held-out data,
+  ``openpack score``, tests). Training reads through ``prepared.py``, which
+  keeps lengths only.
+* A ``.json`` array is parsed whole and held (one broken bracket fails the
+  whole file); convert large sets to JSONL or parquet.
+* JSONL is parsed line by line with ``json.loads`` rather than through
   ``datasets``, so a malformed line is reported as ``file.jsonl:3`` and can be
-  skipped and counted with ``--skip_bad_samples``; a JSON array is parsed as a
-  whole, so one broken bracket fails the whole file.
+  skipped and counted with ``--skip_bad_samples``.
 * A spec that looks like a local path (absolute, ``./``, ``~``, two or more
   ``/``, or a data suffix) is never sent to the hub: a typo gives "file not
   found", not a confusing network error. ``org/name`` (one ``/``) is a hub id
@@ -24,6 +31,7 @@ Trade-offs:
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import math
 import os
@@ -32,10 +40,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
+
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 SKIP_HINT = "or pass --skip_bad_samples to skip such rows and count them"
-Pairs = list[tuple[dict, str]]  # (row, source) in file order
-
 
 
 class DataError(ValueError):
@@ -71,7 +79,8 @@ def load_rows(
     split: str = "train",
     flag: str = "--dataset",
 ) -> Rows:
-    """Load every dataset in ``datasets`` and concatenate or mix them.
+    """Load every row of every dataset in ``datasets``, concatenated or mixed, as Python dicts (small sets only:
+    training plans from lengths, ``prepared.py``).
 
     Each spec is a ``.jsonl``/``.json``/``.parquet`` file, a folder (its
     files with those suffixes, sorted, not recursive), or a hub dataset
@@ -80,30 +89,169 @@ def load_rows(
     Without ``probs`` the datasets are concatenated in order. With ``probs``
     (one per dataset, > 0, summing to 1) and two or more datasets, the result
     is a deterministic mixture for ``seed`` with as many rows as the datasets
-    together: each row's source is drawn with probability ``probs[i]``, and a
-    source yields its rows in a seeded shuffled order, reshuffled after each
-    pass, so an over-sampled source repeats rows and an under-sampled one
-    leaves some out. E.g. 1000 + 1000 rows with probs 0.75/0.25 gives ~1500
-    rows from the first (every row once, ~500 twice) and ~500 from the second.
-    One dataset with ``probs=[1.0]`` is returned in file order.
+    together (``choose_rows``).
 
     Raises DataError for a missing file, a bad row (unless
     ``skip_bad_samples``), bad ``probs``, or a dataset with no rows;
     messages name ``flag``, the command's flag (``--prompt_data`` for RL).
     """
+    files = open_datasets(datasets, split, flag)
+    if probs is not None:
+        check_probs(datasets, probs, flag)
+    values, parts, skipped_per = {}, [], []
+    for spec_files in files.per_spec:
+        good, skipped = [], Counter()
+        for file, first in spec_files:
+            for local, value in enumerate(file.read(np.arange(file.size))):
+                if value is None:
+                    continue
+                if isinstance(value, DataError):
+                    skip_or_raise(value, skip_bad_samples, skipped)
+                    continue
+                values[first + local] = value
+                good.append(first + local)
+        parts.append(np.array(good, dtype=np.int64))
+        skipped_per.append(skipped)
+    check_not_empty(datasets, [len(p) for p in parts], skipped_per, flag)
+    ids = choose_rows(parts, probs, seed)
+    return Rows([values[i] for i in ids.tolist()], [files.source(i) for i in ids.tolist()], sum(skipped_per, Counter()))
+
+
+@dataclass
+class RowFile:
+    """One data file (or hub split) whose rows are read by index: ``read(local indices)`` gives each row's value,
+    a ``DataError`` for a row that is not a JSON object, or None for a blank line.
+
+    ``kind``: ``jsonl`` (``lines[k]`` is where line k starts; the last entry is one past the end), ``held`` (a
+    ``.json`` file's rows, parsed whole), ``table`` (a parquet file's memory-mapped Arrow table, or a hub dataset).
+    ``digest`` names the content (sha256 of a file; a hub dataset's fingerprint).
+    """
+
+    name: str
+    kind: str
+    size: int
+    digest: str
+    lines: np.ndarray | None = None
+    held: list | None = None
+    table: object = None
+    offset: int = 0  # a window's first row in its file
+
+    def source(self, local: int) -> str:
+        at = local + self.offset
+        return f"{self.name}:{at + 1}" if self.kind == "jsonl" else f"{self.name}[{at}]"
+
+    def read(self, local: np.ndarray) -> list:
+        """The rows at ``local`` (ascending or not), each a dict, a DataError, or None (a blank line)."""
+        local = np.asarray(local, dtype=np.int64)
+        if self.kind == "jsonl":
+            return [_parse_line(line, self.source(i), i + self.offset == 0)
+                    for i, line in zip(local.tolist(), self._lines(local))]
+        return [_check_object(value, self.source(i)) for i, value in zip(local.tolist(), self._values(local))]
+
+    def window(self, start: int, stop: int) -> RowFile:
+        """Rows ``start:stop`` as a RowFile of their own, small to send to another process: a JSONL window reads
+        its lines there; other kinds carry their values."""
+        if self.kind == "jsonl":
+            return RowFile(self.name, "jsonl", stop - start, self.digest, lines=self.lines[start:stop + 1],
+                           offset=start)
+        return RowFile(self.name, "held", stop - start, self.digest, held=self._values(np.arange(start, stop)),
+                       offset=start)
+
+    def _values(self, local: np.ndarray) -> list:
+        if self.kind == "held":
+            return [self.held[i] for i in local.tolist()]
+        if hasattr(self.table, "take"):  # pyarrow
+            return self.table.take(local).to_pylist()
+        if hasattr(self.table, "select"):  # a datasets.Dataset
+            return self.table.select(local).to_list()
+        return [self.table[i] for i in local.tolist()]  # a plain sequence
+
+    def _lines(self, local: np.ndarray) -> list[bytes]:
+        """The bytes of each line at ``local``: one read for a run of consecutive lines, else one read each."""
+        with open(self.name, "rb") as f:
+            fd = f.fileno()
+            if len(local) and local[-1] - local[0] == len(local) - 1 and np.all(np.diff(local) == 1):
+                start, stop = int(self.lines[local[0]]), int(self.lines[local[-1] + 1])
+                data = os.pread(fd, max(0, stop - 1 - start), start)
+                return data.split(b"\n")[:len(local)]
+            return [os.pread(fd, max(0, int(self.lines[i + 1]) - 1 - int(self.lines[i])), int(self.lines[i]))
+                    for i in local.tolist()]
+
+
+@dataclass
+class DatasetFiles:
+    """The files of every dataset spec, in order; a row's global id is its file's ``first`` plus its index there."""
+
+    per_spec: list[list[tuple[RowFile, int]]]  # per spec: (file, first global id)
+
+    @property
+    def files(self) -> list[RowFile]:
+        return [file for spec in self.per_spec for file, _ in spec]
+
+    def _starts(self) -> np.ndarray:
+        return np.array([first for spec in self.per_spec for _, first in spec], dtype=np.int64)
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(file number, index in that file) of each global id."""
+        starts = self._starts()
+        which = np.searchsorted(starts, ids, side="right") - 1
+        return which, ids - starts[which]
+
+    def source(self, row: int) -> str:
+        which, local = self.locate(np.array([row]))
+        return self.files[int(which[0])].source(int(local[0]))
+
+    def read(self, ids: np.ndarray) -> Rows:
+        """The rows with these global ids, in that order, as Python dicts (every one must be a good row)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        which, local = self.locate(ids)
+        values: list = [None] * len(ids)
+        files = self.files
+        for f in np.unique(which).tolist():
+            at = np.flatnonzero(which == f)
+            order = np.argsort(local[at], kind="stable")
+            for position, value in zip(at[order].tolist(), files[f].read(local[at][order])):
+                values[position] = value
+        bad = next((v for v in values if not isinstance(v, dict)), False)
+        if bad is not False:
+            raise DataError(f"a row planned for training is no longer a JSON object ({bad}); did the file change "
+                            "during the run?")
+        return Rows(values, [files[f].source(i) for f, i in zip(which.tolist(), local.tolist())])
+
+
+def open_datasets(datasets: list[str], split: str = "train", flag: str = "--dataset") -> DatasetFiles:
+    """Every file of every dataset, indexed (no row parsed yet: JSONL lines are found, parquet mapped)."""
     if not datasets:
         raise DataError(f"no dataset given: pass {flag} PATH_OR_HUB_NAME (several: {flag} a.jsonl b.jsonl)")
-    if probs is not None:
-        _check_probs(datasets, probs, flag)
-    parts, skipped_per = [], []
+    per_spec, first = [], 0
     for spec in datasets:
-        skipped = Counter()
-        parts.append(_load_dataset(spec, split, skip_bad_samples, skipped, flag))
-        skipped_per.append(skipped)
-    _check_not_empty(datasets, parts, skipped_per, flag)
-    total_skipped = sum(skipped_per, Counter())
-    pairs = _mix(parts, probs, seed) if probs is not None and len(parts) > 1 else [p for part in parts for p in part]
-    return Rows([row for row, _ in pairs], [src for _, src in pairs], total_skipped)
+        files = []
+        for file in _open_dataset(spec, split, flag):
+            files.append((file, first))
+            first += file.size
+        per_spec.append(files)
+    return DatasetFiles(per_spec)
+
+
+def choose_rows(parts: list[np.ndarray], probs: list[float] | None, seed: int) -> np.ndarray:
+    """The global ids of the rows to use, from each dataset's good rows ``parts[i]``: concatenated without
+    ``probs``; with ``probs`` and two or more datasets a mixture of as many rows as the datasets together, each
+    row's dataset drawn with probability ``probs[i]``, a dataset yielding its rows in a seeded shuffled order,
+    reshuffled after each pass, so an over-sampled dataset repeats rows and an under-sampled one leaves some out.
+    E.g. 1000 + 1000 rows with probs 0.75/0.25 gives ~1500 rows from the first (every row once, ~500 twice) and
+    ~500 from the second."""
+    if probs is None or len(parts) < 2:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    rng = random.Random(f"mix:{seed}")  # str seeds hash with sha512: stable across processes
+    picks = rng.choices(range(len(parts)), weights=probs, k=sum(len(p) for p in parts))
+    streams = [_shuffled_cycle(len(part), random.Random(f"mix:{seed}:{i}")) for i, part in enumerate(parts)]
+    positions = np.array([next(streams[i]) for i in picks], dtype=np.int64)
+    which = np.array(picks, dtype=np.int64)
+    out = np.empty(len(picks), dtype=np.int64)
+    for i, part in enumerate(parts):
+        at = which == i
+        out[at] = part[positions[at]]
+    return out
 
 
 def check_dataset_files(datasets: list[str], flag: str = "--dataset") -> None:
@@ -128,7 +276,7 @@ def check_dataset_files(datasets: list[str], flag: str = "--dataset") -> None:
                                 "permissions, or pass a file this user can read") from err
 
 
-def _check_probs(datasets: list[str], probs: list[float], flag: str) -> None:
+def check_probs(datasets: list[str], probs: list[float], flag: str) -> None:
     """--dataset_probs (``flag``_probs): one finite positive weight per dataset, summing to 1 within 1e-6."""
     shown = ", ".join(str(p) for p in probs)
     if len(probs) != len(datasets):
@@ -144,9 +292,9 @@ def _check_probs(datasets: list[str], probs: list[float], flag: str) -> None:
         raise DataError(f"{flag}_probs must sum to 1, got {shown} (sum {sum(probs):.6g}); rescale them")
 
 
-def _check_not_empty(datasets: list[str], parts: list[Pairs], skipped_per: list[Counter], flag: str) -> None:
+def check_not_empty(datasets: list[str], sizes: list[int], skipped_per: list[Counter], flag: str) -> None:
     """Every dataset must give at least one row; a mixture cannot draw from an empty one."""
-    empty = [(spec, skipped) for spec, part, skipped in zip(datasets, parts, skipped_per) if not part]
+    empty = [(spec, skipped) for spec, size, skipped in zip(datasets, sizes, skipped_per) if not size]
     if not empty:
         return
     described = "; ".join(f"{spec} ({_describe_skips(skipped)})" for spec, skipped in empty)
@@ -163,30 +311,22 @@ def _describe_skips(skipped: Counter) -> str:
     return f"all {sum(skipped.values())} rows skipped by --skip_bad_samples; {counts}"
 
 
-def _mix(parts: list[Pairs], probs: list[float], seed: int) -> Pairs:
-    """Draw len(all rows) rows; see ``load_rows`` for the semantics."""
-    rng = random.Random(f"mix:{seed}")  # str seeds hash with sha512: stable across processes
-    picks = rng.choices(range(len(parts)), weights=probs, k=sum(len(p) for p in parts))
-    streams = [_shuffled_cycle(part, random.Random(f"mix:{seed}:{i}")) for i, part in enumerate(parts)]
-    return [next(streams[i]) for i in picks]
-
-
-def _shuffled_cycle(part: Pairs, rng: random.Random) -> Iterator[tuple[dict, str]]:
-    """Yield ``part`` in a shuffled order, forever, reshuffling after each pass."""
+def _shuffled_cycle(size: int, rng: random.Random) -> Iterator[int]:
+    """Yield ``range(size)`` in a shuffled order, forever, reshuffling after each pass."""
     while True:
-        order = list(range(len(part)))
+        order = list(range(size))
         rng.shuffle(order)
-        yield from (part[i] for i in order)
+        yield from order
 
 
-def _load_dataset(spec: str, split: str, skip: bool, skipped: Counter, flag: str) -> Pairs:
-    """Rows of one --dataset spec: a local file or folder, else a hub dataset."""
+def _open_dataset(spec: str, split: str, flag: str) -> list[RowFile]:
+    """The files of one --dataset spec: a local file or folder, else a hub dataset."""
     path = os.path.expanduser(spec)
     if os.path.exists(path):
-        return [pair for file in _data_files(spec, path, flag) for pair in _read_file(file, skip, skipped)]
+        return [_open_file(file) for file in _data_files(spec, path, flag)]
     if _looks_local(spec):
         raise DataError(f"{flag} {spec}: file not found ({os.path.abspath(path)}); check the path")
-    return _read_hub(spec, split, skip, skipped, flag)
+    return [_read_hub(spec, split, flag)]
 
 
 def _looks_local(spec: str) -> bool:
@@ -209,52 +349,64 @@ def _data_files(spec: str, path: str, flag: str) -> list[str]:
     return files
 
 
-def _read_file(path: str, skip: bool, skipped: Counter) -> Pairs:
-    """Rows of one local file, dispatched on its suffix."""
+def _open_file(path: str) -> RowFile:
+    """One local file as a RowFile, by its suffix."""
     lower = path.lower()
     if lower.endswith(".parquet"):
-        return _read_parquet(path, skip, skipped)
-    with open(path, "rb") as f:
-        data = f.read()
+        return _open_parquet(path)
     if lower.endswith(".json"):
-        return _read_json(path, data, skip, skipped)
-    return _read_jsonl(path, data, skip, skipped)
+        held = _read_json(path)
+        if held is not None:
+            return held
+    digest, lines = scan_lines(path)
+    return RowFile(path, "jsonl", len(lines) - 1, digest, lines=lines)
 
 
-def _read_jsonl(path: str, data: bytes, skip: bool, skipped: Counter) -> Pairs:
-    """One JSON object per line; blank lines ignored; sources are ``path:line`` (1-based)."""
-    pairs = []
-    for lineno, line in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = _parse_line(line, where)
-        except DataError as err:
-            skip_or_raise(err, skip, skipped)
-            continue
-        if _accept_row(row, where, skip, skipped):
-            pairs.append((row, where))
-    return pairs
+SCAN_BLOCK = 1 << 24  # 16 MiB read at a time: the scan's memory is this plus 8 bytes a line
 
 
-def _parse_line(line: bytes, where: str) -> object:
+def scan_lines(path: str) -> tuple[str, np.ndarray]:
+    """(sha256 of the file, where each line starts plus one past the end): one read of the file, in blocks.
+
+    Line k is ``data[lines[k]:lines[k + 1] - 1]``; as with ``split(b"\\n")``, a file ending in a newline has an
+    empty last line. 200k lines of 60 MB scan in about 0.2 s.
+    """
+    digest, starts, offset = hashlib.sha256(), [np.zeros(1, dtype=np.int64)], 0
+    with open(path, "rb") as f:
+        while block := f.read(SCAN_BLOCK):
+            digest.update(block)
+            starts.append(np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10).astype(np.int64) + offset + 1)
+            offset += len(block)
+    starts.append(np.array([offset + 1], dtype=np.int64))
+    return digest.hexdigest(), np.concatenate(starts)
+
+
+def _parse_line(line: bytes, where: str, first: bool) -> object:
+    """A JSONL line's row: a dict, a DataError (malformed, or not an object), or None for a blank line."""
+    if first:
+        line = line.removeprefix(codecs.BOM_UTF8)
+    if not line.strip():
+        return None
     try:
-        return json.loads(line)
+        value = json.loads(line)
     except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError on bad bytes
         detail = f"{err.msg} at column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
-        raise DataError(f"{where}: malformed JSON ({detail}); fix the line, {SKIP_HINT}", "malformed json") from err
+        return DataError(f"{where}: malformed JSON ({detail}); fix the line, {SKIP_HINT}", "malformed json")
+    return _check_object(value, where)
 
 
-def _read_json(path: str, data: bytes, skip: bool, skipped: Counter) -> Pairs:
-    """A JSON array of objects (sources ``path[i]``), a single object, or JSONL content."""
+def _read_json(path: str) -> RowFile | None:
+    """A JSON array of objects (sources ``path[i]``) or a single object, held; None for JSONL content."""
+    with open(path, "rb") as f:
+        data = f.read()
+    digest = hashlib.sha256(data).hexdigest()
     text = data.removeprefix(codecs.BOM_UTF8)
     if not text.lstrip().startswith(b"["):
         try:
             whole = json.loads(text)  # one (possibly pretty-printed) object
         except ValueError:
-            return _read_jsonl(path, data, skip, skipped)  # JSONL in a .json file
-        return [(whole, f"{path}[0]")] if _accept_row(whole, f"{path}[0]", skip, skipped) else []
+            return None  # JSONL in a .json file
+        return RowFile(path, "held", 1, digest, held=[whole])
     try:
         array = json.loads(text)
     except ValueError as err:
@@ -263,21 +415,22 @@ def _read_json(path: str, data: bytes, skip: bool, skipped: Counter) -> Pairs:
             f"{where}: malformed JSON array ({err}); one broken array fails the whole file, so "
             "--skip_bad_samples cannot help: fix the file or convert it to JSONL (one object per line)"
         ) from err
-    return _accept_all(array, path, skip, skipped)
+    return RowFile(path, "held", len(array), digest, held=array)
 
 
-def _read_parquet(path: str, skip: bool, skipped: Counter) -> Pairs:
-    """Rows of a parquet file via pyarrow; sources ``path[i]`` (0-based row index)."""
+def _open_parquet(path: str) -> RowFile:
+    """A parquet file as a memory-mapped Arrow table; sources ``path[i]`` (0-based row index)."""
     import pyarrow.parquet as pq  # lazy: only parquet users pay for the import
 
+    digest = scan_lines(path)[0]
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, memory_map=True)
     except Exception as err:  # pyarrow raises several types for corrupt files
         raise DataError(f"{path}: cannot read parquet ({err}); check the file is a valid parquet file") from err
-    return _accept_all(table.to_pylist(), path, skip, skipped)
+    return RowFile(path, "table", table.num_rows, digest, table=table)
 
 
-def _read_hub(spec: str, split: str, skip: bool, skipped: Counter, flag: str) -> Pairs:
+def _read_hub(spec: str, split: str, flag: str) -> RowFile:
     """A Hugging Face hub dataset, ``name``, ``name@split`` or ``name:split``."""
     name, split = _hub_name_and_split(spec, split)
     try:
@@ -290,7 +443,8 @@ def _read_hub(spec: str, split: str, skip: bool, skipped: Counter, flag: str) ->
             f"Face hub dataset ({name!r}, split {split!r}) and loading failed: {type(err).__name__}: {err}. "
             "Check the local path, or the hub name and split; this machine may have no network access"
         ) from err
-    return _accept_all(list(table), f"{name}@{split}", skip, skipped)
+    digest = getattr(table, "_fingerprint", None) or hashlib.sha256(repr(list(table)).encode()).hexdigest()
+    return RowFile(f"{name}@{split}", "table", len(table), f"{name}@{split}:{digest}", table=table)
 
 
 def _hub_name_and_split(spec: str, split: str) -> tuple[str, str]:
@@ -301,27 +455,15 @@ def _hub_name_and_split(spec: str, split: str) -> tuple[str, str]:
     return spec, split
 
 
-def _accept_all(rows: list, origin: str, skip: bool, skipped: Counter) -> Pairs:
-    """Rows of an indexed container; sources ``origin[i]`` (0-based)."""
-    pairs = []
-    for i, row in enumerate(rows):
-        where = f"{origin}[{i}]"
-        if _accept_row(row, where, skip, skipped):
-            pairs.append((row, where))
-    return pairs
-
-
-def _accept_row(row: object, where: str, skip: bool, skipped: Counter) -> bool:
-    """True for a JSON object; otherwise raise, or count it when skipping."""
+def _check_object(row: object, where: str) -> object:
+    """The row if it is a JSON object, else the DataError saying what it is."""
     if isinstance(row, dict):
-        return True
-    err = DataError(
+        return row
+    return DataError(
         f"{where}: row is a JSON {type(row).__name__}, not an object like "
         f'{{"prompt": "...", "response": "..."}}; fix the row, {SKIP_HINT}',
         "not a JSON object",
     )
-    skip_or_raise(err, skip, skipped)
-    return False
 
 
 def skip_or_raise(err: DataError, skip: bool, skipped: Counter) -> None:

@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from openpack.core.batch import CHOSEN, PROMPT, REJECTED, Segment
 from openpack.data import formats
 from openpack.data.formats import SKIP_FIX, as_turn, check_roles, common_prefix, fill_template, is_messages
-from openpack.data.loading import DataError, Rows, skip_or_raise
+from openpack.data.loading import DataError, Rows
 from openpack.data.sft import OVERLENGTH_POLICIES
 
 logger = logging.getLogger(__name__)
@@ -168,6 +168,78 @@ class _Rendered:
     margin: float = 0.0
 
 
+@dataclass(frozen=True)
+class PairTokenization:
+    """How rows become preference pairs: the flags that read a row and cut it (module docstring). A plain value, so
+    the driver's parallel pass (``prepared.py``) can send it to its processes and key its cache by it;
+    ``prefix_sharing`` says how a pair packs (``pair_segments``)."""
+
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    max_len: int = 2048
+    overlength: str = "truncate"
+    apply_chat_template: bool = False
+    input_template: str | None = None
+    margin_key: str | None = None
+    prefix_sharing: bool = False
+
+    noun = "pairs"  # the summary line's unit
+
+    @property
+    def width(self) -> int:
+        """Segments per sample."""
+        return 3 if self.prefix_sharing else 2
+
+    def report(self, rows: int) -> PreferenceReport:
+        return PreferenceReport(truncated=0, dropped=0, skipped=Counter(), rows=rows)
+
+    def check(self, tokenizer) -> None:
+        """The flags' own errors, before any row is read."""
+        _check_args(self.max_len, self.overlength)
+        formats.check_input_template(self.input_template, self.apply_chat_template)
+
+    def _keys(self) -> dict:
+        return dict(zip(FIELDS, (self.prompt_key, self.chosen_key, self.rejected_key)))
+
+    def outcomes(self, rows: Rows, tokenizer) -> list[formats.Outcome]:
+        """One ``Outcome`` per row, in row order: a ``PreferencePair`` (its ``row`` set), a bad row's error, or a
+        drop."""
+        keys, flags = self._keys(), _Flags(self.apply_chat_template, self.input_template, self.margin_key)
+        outcomes = [formats.Outcome() for _ in range(len(rows))]
+        rendered = []
+        for index, (row, source) in enumerate(zip(rows.rows, rows.sources)):
+            try:
+                values, kind = _row_values(row, source, keys)
+                item = _render(tokenizer, *values, source, keys, flags)
+                margin = _margin(row, source, flags.margin_key) if flags.margin_key else 0.0
+            except DataError as err:
+                outcomes[index].error = err
+                continue
+            item = dataclasses.replace(item, row=index, kind=f"{'chat' if item.chat else 'text'} {kind}",
+                                       margin=margin)
+            outcomes[index].kind = item.kind
+            rendered.append(item)
+        for (prompt_ids, chosen_ids, rejected_ids), item in zip(_encode(tokenizer, rendered), rendered):
+            outcome = outcomes[item.row]
+            try:
+                pair = _split(prompt_ids, chosen_ids, rejected_ids, item.source, keys)
+                outcome.prompt_tail = len(pair.prompt) < len(prompt_ids)
+                _fit_length(pair, self.max_len, self.overlength, outcome)
+            except DataError as err:
+                outcome.error = err
+                continue
+            if outcome.sample is not None:
+                outcome.sample.row, outcome.sample.margin = item.row, item.margin
+        return outcomes
+
+    def segments(self, pair: PreferencePair, index: int) -> list[Segment]:
+        return pair_segments(self.prefix_sharing)(pair, index)
+
+    def nothing_left(self, num_rows: int, report: PreferenceReport) -> DataError:
+        return _nothing_left(num_rows, self.max_len, self._keys(), report)
+
+
 def tokenize_pairs(
     rows: Rows,
     tokenizer,
@@ -196,30 +268,21 @@ def tokenize_pairs(
     ``input_template`` formats text prompts (OpenRLHF's flags). ``margin_key`` names a
     number per row that each pair's margin is read from (reward models, Llama 2's margin).
     """
-    _check_args(max_len, overlength)
-    formats.check_input_template(input_template, apply_chat_template)
-    keys = dict(zip(FIELDS, (prompt_key, chosen_key, rejected_key)))
-    report = PreferenceReport(truncated=0, dropped=0, skipped=Counter(), rows=len(rows))  # load skips: rows.skipped
-    rendered = _render_rows(rows, tokenizer, keys, _Flags(apply_chat_template, input_template, margin_key),
-                            skip_bad_samples, report)
-    pairs, prompt_tails = [], 0
-    for (prompt_ids, chosen_ids, rejected_ids), row in zip(_encode(tokenizer, rendered), rendered):
-        try:
-            pair = _split(prompt_ids, chosen_ids, rejected_ids, row.source, keys)
-        except DataError as err:
-            skip_or_raise(err, skip_bad_samples, report.skipped)
-            continue
-        prompt_tails += len(pair.prompt) < len(prompt_ids)
-        pair = _fit_length(pair, max_len, overlength, report)
-        if pair is not None:
-            pair.row, pair.margin = row.row, row.margin
-            pairs.append(pair)
+    how = PairTokenization(prompt_key, chosen_key, rejected_key, max_len, overlength, apply_chat_template,
+                           input_template, margin_key)
+    how.check(tokenizer)
+    report = how.report(len(rows))  # load skips: rows.skipped
+    pairs, prompt_tails = formats.fold(how.outcomes(rows, tokenizer), skip_bad_samples, report)
     if prompt_tails and warn:  # workers re-tokenizing their micro-batches pass warn=False: the driver warned
-        logger.warning("%d pairs: the tokenized prompt is not a prefix of prompt+completion (a BPE merge or the chat "
-                       "template); its tail is left out of the sequence, as TRL does", prompt_tails)
+        warn_prompt_tails(prompt_tails)
     if not pairs:
-        raise _nothing_left(len(rows), max_len, keys, report)
+        raise how.nothing_left(len(rows), report)
     return pairs, report
+
+
+def warn_prompt_tails(count: int) -> None:
+    logger.warning("%d pairs: the tokenized prompt is not a prefix of prompt+completion (a BPE merge or the chat "
+                   "template); its tail is left out of the sequence, as TRL does", count)
 
 
 def _check_args(max_len: int, overlength: str) -> None:
@@ -234,24 +297,6 @@ class _Flags:
     apply_chat_template: bool
     input_template: str | None
     margin_key: str | None = None
-
-
-def _render_rows(rows: Rows, tokenizer, keys: dict, flags: _Flags, skip: bool,
-                 report: PreferenceReport) -> list[_Rendered]:
-    """The texts to tokenize for every good row; bad rows raise or are counted in ``report.skipped``."""
-    rendered = []
-    for index, (row, source) in enumerate(zip(rows.rows, rows.sources)):
-        try:
-            values, kind = _row_values(row, source, keys)
-            item = _render(tokenizer, *values, source, keys, flags)
-            margin = _margin(row, source, flags.margin_key) if flags.margin_key else 0.0
-        except DataError as err:
-            skip_or_raise(err, skip, report.skipped)
-            continue
-        item = dataclasses.replace(item, row=index, kind=f"{'chat' if item.chat else 'text'} {kind}", margin=margin)
-        report.formats[item.kind] += 1
-        rendered.append(item)
-    return rendered
 
 
 def _margin(row: dict, source: str, key: str) -> float:
@@ -385,7 +430,7 @@ def _encode(tokenizer, rendered: list[_Rendered]) -> list[list[list[int]]]:
         rows = [i for i, r in enumerate(rendered) if r.chat == chat]
         if not rows:
             continue
-        flat = tokenizer([t for i in rows for t in rendered[i].texts], add_special_tokens=not chat)["input_ids"]
+        flat = formats.encode(tokenizer, [t for i in rows for t in rendered[i].texts], not chat)
         for j, i in enumerate(rows):
             ids[i] = flat[3 * j : 3 * j + 3]
     return ids
@@ -413,27 +458,26 @@ def _split(prompt_ids, chosen_ids, rejected_ids, source: str, keys: dict) -> Pre
     return pair
 
 
-def _fit_length(pair: PreferencePair, max_len: int, overlength: str, report: PreferenceReport):
-    """Apply the --overlength_policy to both sequences; None when the pair is dropped (counted in ``report``)."""
+def _fit_length(pair: PreferencePair, max_len: int, overlength: str, outcome: formats.Outcome) -> None:
+    """Apply the --overlength_policy to both sequences: the pair, cut or not, or why it is dropped, into
+    ``outcome``."""
     chosen_len, rejected_len = pair.lengths()
     if max(chosen_len, rejected_len) <= max_len:
-        return pair
+        outcome.sample = pair
+        return
     prompt_fills = len(pair.prompt) >= max_len  # TRL's filter: no completion token would survive keep_start
     if overlength == "error":
         raise _overlength_error(pair, max_len, prompt_fills)
     if overlength == "drop" or prompt_fills:
-        reason = "prompt fills --max_len, no response left" if prompt_fills else "over --max_len"
-        report.dropped += 1
-        report.drop_reasons[reason] += 1
-        return None
+        outcome.dropped = "prompt fills --max_len, no response left" if prompt_fills else "over --max_len"
+        return
     room = max_len - len(pair.prompt)  # TRL's collator: (prompt + completion)[:max_length], the prompt is kept whole
     chosen, rejected = pair.chosen[:room], pair.rejected[:room]
     if chosen == rejected:  # no signal left; TRL trains on it (module docstring)
-        report.dropped += 1
-        report.drop_reasons[IDENTICAL_AFTER_TRUNCATION] += 1
-        return None
-    report.truncated += 1
-    return PreferencePair(pair.prompt, chosen, rejected, pair.source)
+        outcome.dropped = IDENTICAL_AFTER_TRUNCATION
+        return
+    outcome.truncated = True
+    outcome.sample = PreferencePair(pair.prompt, chosen, rejected, pair.source)
 
 
 def _overlength_error(pair: PreferencePair, max_len: int, prompt_fills: bool) -> DataError:

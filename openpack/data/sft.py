@@ -69,9 +69,10 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from openpack.core.batch import Segment
 from openpack.data import formats
 from openpack.data.formats import SKIP_FIX, as_turn, check_roles, fill_template, is_messages
-from openpack.data.loading import DataError, Rows, skip_or_raise
+from openpack.data.loading import DataError, Rows
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,10 @@ class SFTSample:
     targets: list[bool]
     source: str
     row: int = field(default=-1, compare=False)  # index in the Rows it was tokenized from
+
+    def segments(self, sample_index: int) -> list[Segment]:
+        """The one segment a sample packs as."""
+        return [Segment(self.tokens, self.targets, sample_index=sample_index)]
 
 
 @dataclass
@@ -110,6 +115,67 @@ class TokenizeReport:
         """The driver's line: ``"4 samples from 6 rows (3 chat prompt/response, ...); 2 truncated ..."``."""
         return formats.summary(kept, "samples", self.rows, self.formats, self.truncated, max_len, self.drop_reasons,
                                (load_skipped or Counter()) + self.skipped)
+
+
+@dataclass(frozen=True)
+class SFTTokenization:
+    """How rows become SFT samples: the flags that read a row and cut it (module docstring). A plain value, so the
+    driver's parallel pass (``prepared.py``) can send it to its processes and key its cache by it."""
+
+    input_key: str = "prompt"
+    output_key: str = "response"
+    messages_key: str = "messages"
+    apply_chat_template: bool = False
+    input_template: str | None = None
+    max_len: int = 2048
+    overlength: str = "truncate"
+    conversation_loss: str = "assistant"
+
+    noun = "samples"  # the summary line's unit
+
+    @property
+    def width(self) -> int:
+        """Segments per sample."""
+        return 1
+
+    def report(self, rows: int) -> TokenizeReport:
+        return TokenizeReport(truncated=0, dropped=0, skipped=Counter(), rows=rows)
+
+    def check(self, tokenizer) -> None:
+        """The flags' own errors, before any row is read."""
+        _check_args(tokenizer, self.apply_chat_template, self.max_len, self.overlength, self.conversation_loss,
+                     self.input_template)
+
+    def _keys(self) -> _Keys:
+        return _Keys(self.input_key, self.output_key, self.messages_key, self.apply_chat_template, self.input_template)
+
+    def outcomes(self, rows: Rows, tokenizer) -> list[formats.Outcome]:
+        """One ``Outcome`` per row, in row order: an ``SFTSample`` (its ``row`` set), a bad row's error, or a drop."""
+        keys = self._keys()
+        outcomes = [formats.Outcome() for _ in range(len(rows))]
+        formatted = []
+        for index, (row, source) in enumerate(zip(rows.rows, rows.sources)):
+            try:
+                item = _format_row(row, source, index, tokenizer, keys, self.conversation_loss)
+            except DataError as err:
+                outcomes[index].error = err
+                continue
+            outcomes[index].kind = item.kind
+            formatted.append(item)
+        for item, encoded in zip(formatted, _encode(tokenizer, formatted, self.conversation_loss)):
+            outcome = outcomes[item.row]
+            try:
+                tokens, targets, outcome.prompt_tail = _checked(encoded, item)
+                _fit_length(tokens, targets, item, self.max_len, self.overlength, outcome)
+            except DataError as err:
+                outcome.error = err
+        return outcomes
+
+    def segments(self, sample: SFTSample, index: int) -> list[Segment]:
+        return sample.segments(index)
+
+    def nothing_left(self, num_rows: int, report: TokenizeReport) -> DataError:
+        return _nothing_left(num_rows, self.max_len, self._keys(), report)
 
 
 @dataclass(frozen=True)
@@ -159,30 +225,22 @@ def tokenize_sft(
     counted in ``report.skipped`` when ``skip_bad_samples``. ``warn=False``
     silences the prompt-tail warning (ranks re-tokenizing what the driver has).
     """
-    _check_args(tokenizer, apply_chat_template, max_len, overlength, conversation_loss, input_template)
-    keys = _Keys(input_key, output_key, messages_key, apply_chat_template, input_template)
-    report = TokenizeReport(truncated=0, dropped=0, skipped=Counter(), rows=len(rows))  # load skips: rows.skipped
-    formatted = _format_rows(rows, tokenizer, keys, conversation_loss, skip_bad_samples, report)
-    samples, prompt_tails = [], 0
-    for item, encoded in zip(formatted, _encode(tokenizer, formatted, conversation_loss)):
-        try:
-            tokens, targets, prompt_tail = _checked(encoded, item)
-        except DataError as err:
-            skip_or_raise(err, skip_bad_samples, report.skipped)
-            continue
-        prompt_tails += prompt_tail
-        sample = _fit_length(tokens, targets, item.source, max_len, overlength, report)
-        if sample is not None:
-            sample.row = item.row
-            samples.append(sample)
+    how = SFTTokenization(input_key, output_key, messages_key, apply_chat_template, input_template, max_len,
+                          overlength, conversation_loss)
+    how.check(tokenizer)
+    report = how.report(len(rows))  # load skips: rows.skipped
+    samples, prompt_tails = formats.fold(how.outcomes(rows, tokenizer), skip_bad_samples, report)
     if prompt_tails and warn:
-        logger.warning("%d samples: the tokenized prompt is not a prefix of prompt+response (a BPE merge or the chat "
-                       "template; in a conversation, of an assistant turn's generation prompt and the turn); the "
-                       "response starts where they differ and the prompt's tail is left out, as TRL does",
-                       prompt_tails)
+        warn_prompt_tails(prompt_tails)
     if not samples:
-        raise _nothing_left(len(rows), max_len, keys, report)
+        raise how.nothing_left(len(rows), report)
     return samples, report
+
+
+def warn_prompt_tails(count: int) -> None:
+    logger.warning("%d samples: the tokenized prompt is not a prefix of prompt+response (a BPE merge or the chat "
+                   "template; in a conversation, of an assistant turn's generation prompt and the turn); the "
+                   "response starts where they differ and the prompt's tail is left out, as TRL does", count)
 
 
 def _check_args(tokenizer, apply_chat_template, max_len, overlength, conversation_loss, input_template) -> None:
@@ -202,20 +260,6 @@ def _check_args(tokenizer, apply_chat_template, max_len, overlength, conversatio
 
 
 # ---- reading rows -------------------------------------------------------------------------------------------------
-
-
-def _format_rows(rows: Rows, tokenizer, keys: _Keys, loss: str, skip: bool, report: TokenizeReport) -> list[_Formatted]:
-    """Every good row as a pair of texts or a conversation; bad rows raise or are counted."""
-    formatted = []
-    for index, (row, source) in enumerate(zip(rows.rows, rows.sources)):
-        try:
-            item = _format_row(row, source, index, tokenizer, keys, loss)
-        except DataError as err:
-            skip_or_raise(err, skip, report.skipped)
-            continue
-        report.formats[item.kind] += 1
-        formatted.append(item)
-    return formatted
 
 
 def _format_row(row: dict, source: str, index: int, tokenizer, keys: _Keys, loss: str) -> _Formatted:
@@ -327,7 +371,7 @@ def _encode(tokenizer, formatted: list[_Formatted], loss: str) -> list:
     for chat in (False, True):
         rows = [i for i, item in enumerate(formatted) if item.texts is not None and item.chat == chat]
         if rows:
-            flat = tokenizer([t for i in rows for t in formatted[i].texts], add_special_tokens=not chat)["input_ids"]
+            flat = formats.encode(tokenizer, [t for i in rows for t in formatted[i].texts], not chat)
             for j, i in enumerate(rows):
                 encoded[i] = ("pair", flat[2 * j], flat[2 * j + 1], None)
     rows = [i for i, item in enumerate(formatted) if item.messages is not None]
@@ -432,7 +476,7 @@ def assistant_targets_by_prefix(tokenizer, items: list[_Formatted]) -> list:
         except DataError as err:
             rendered.append(err)
     texts = [text for row in rendered if not isinstance(row, DataError) for text in row]
-    flat = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    flat = iter(formats.encode(tokenizer, texts, False) if texts else [])
     end_of_turn = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     end_of_turn |= set(tokenizer.all_special_ids)
     results = []
@@ -521,23 +565,23 @@ def _checked(encoded, item: _Formatted) -> tuple[list[int], list[bool], bool]:
     return tokens, targets, prompt_tail
 
 
-def _fit_length(tokens, targets, source, max_len, overlength, report) -> SFTSample | None:
-    """Apply the --overlength_policy; None when the sample is dropped (counted in ``report``)."""
+def _fit_length(tokens, targets, item: _Formatted, max_len, overlength, outcome: formats.Outcome) -> None:
+    """Apply the --overlength_policy: the sample, truncated or not, or why it is dropped, into ``outcome``."""
     if len(tokens) <= max_len:
-        return SFTSample(tokens, targets, source)
+        outcome.sample = SFTSample(tokens, targets, item.source, item.row)
+        return
     if overlength == "error":
         raise DataError(
-            f"{source}: {len(tokens)} tokens ({sum(targets)} of them trained on) is over --max_len {max_len}; "
+            f"{item.source}: {len(tokens)} tokens ({sum(targets)} of them trained on) is over --max_len {max_len}; "
             "raise --max_len, or set --overlength_policy to truncate (keep the first --max_len tokens) or drop "
             "(skip and count); it is now error"
         )
     # max_len >= 2, so a target that survives the cut is past position 0, which is never trained.
     if overlength == "drop" or not any(targets[1:max_len]):
-        report.dropped += 1
-        report.drop_reasons["over --max_len" if overlength == "drop" else NO_TARGET_LEFT] += 1
-        return None
-    report.truncated += 1
-    return SFTSample(tokens[:max_len], targets[:max_len], source)
+        outcome.dropped = "over --max_len" if overlength == "drop" else NO_TARGET_LEFT
+        return
+    outcome.truncated = True
+    outcome.sample = SFTSample(tokens[:max_len], targets[:max_len], item.source, item.row)
 
 
 def _nothing_left(num_rows: int, max_len: int, keys: _Keys, report: TokenizeReport) -> DataError:

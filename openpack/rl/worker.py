@@ -27,8 +27,10 @@ from dataclasses import replace
 
 from openpack.core.advantages import kl_controller
 from openpack.core.packing import shuffled_epoch
-from openpack.data.loading import DataError, load_rows
-from openpack.data.prompts import Prompt, tokenize_prompts
+from openpack.data.loading import DataError
+from openpack.data.prepared import select
+from openpack.data.prompt_set import PromptSet, PromptTokenization
+from openpack.data.prompts import Prompt
 from openpack.distributed.checkpoint import save_hf_model
 from openpack.models.loading import load_causal_lm, load_tokenizer
 from openpack.models.lora import apply_lora, is_lora
@@ -65,21 +67,18 @@ def rollout_schedule(num_prompts: int, rollout_batch_size: int, num_episodes: in
     return batches[:max_steps] if max_steps else batches
 
 
-def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str], flag: str = "--prompt_data") -> list[Prompt]:
-    """The prompts of --prompt_data (mixed by --prompt_data_probs, cut to --max_samples), tokenized."""
-    rows = load_rows(datasets, data_cfg.prompt_data_probs, seed, data_cfg.skip_bad_samples, flag=flag)
-    if data_cfg.max_samples is not None:
-        rows.rows, rows.sources = rows.rows[:data_cfg.max_samples], rows.sources[:data_cfg.max_samples]
-    prompts, left_out = tokenize_prompts(rows, tokenizer, data_cfg.input_key, data_cfg.apply_chat_template,
-                                         data_cfg.input_template, data_cfg.prompt_max_len, data_cfg.skip_bad_samples,
-                                         data_cfg.label_key)
-    left_out += rows.skipped
-    if left_out:
-        logger.warning("prompts: %d used, %s left out", len(prompts),
-                       ", ".join(f"{n} {why}" for why, n in sorted(left_out.items())))
-    else:
-        logger.info("prompts: %d", len(prompts))
-    return prompts
+def load_prompts(data_cfg, tokenizer, seed: int, datasets: list[str], flag: str = "--prompt_data") -> PromptSet:
+    """The prompts of --prompt_data (mixed by --prompt_data_probs, cut to --max_samples): checked and tokenized once
+    in parallel, or read from --data_cache_dir, and kept as row ids (``data/prompt_set.py``)."""
+    how = PromptTokenization(data_cfg.input_key, data_cfg.apply_chat_template, data_cfg.input_template,
+                             data_cfg.prompt_max_len, data_cfg.label_key)
+    selection = select(datasets, tokenizer, how, probs=data_cfg.prompt_data_probs, seed=seed,
+                       skip_bad_samples=data_cfg.skip_bad_samples, max_samples=data_cfg.max_samples, flag=flag,
+                       cache_dir=data_cfg.data_cache_dir, num_proc=data_cfg.dataset_num_proc)
+    data = selection.finish(data_cfg.skip_bad_samples)
+    logger.info("prompts: %s", selection.notice)
+    (logger.warning if "left out" in data.summary else logger.info)("prompts: %s", data.summary)
+    return PromptSet(selection.files, data.rows, tokenizer, how)
 
 
 def vllm_available() -> bool:

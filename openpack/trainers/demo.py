@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import os
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import openpack
 
 from openpack.data.demo_task import WORDY_SHARE, answer_rates, demo_preference_pairs, demo_samples, write_jsonl
 from openpack.data.demo_tokenizer import build_demo_tokenizer
+from openpack.data.prepared import cache_root  # noqa: F401  (demo models are cached there too)
 from openpack.models.loading import load_causal_lm, load_tokenizer, prepare_for_training
 from openpack.models.tiny import tiny_causal_lm
 
@@ -49,11 +49,6 @@ def code_key(*recipe_files: Path) -> str:
         digest.update(f"{library}=={importlib.metadata.version(library)}".encode())
     digest.update(f"openpack=={openpack.__version__}".encode())
     return digest.hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    """Where demo models are cached: ``$OPENPACK_CACHE``, else ``~/.cache/openpack``."""
-    return Path(os.environ.get("OPENPACK_CACHE") or Path.home() / ".cache" / "openpack")
 
 
 def tokenizer_and_model(model_cfg, seed: int):

@@ -1,8 +1,9 @@
 """What ``openpack train_dpo`` runs: the driver's plan (``plan_dpo``) and each rank's training (``run_dpo``).
 
-driver: tokenize every pair once -> plan every rank's steps from the
-lengths (and, for --ref_logps_cache, each rank's share of one scoring pass).
-rank: process group -> tokenizer and policy -> tokenize its own pairs -> the
+driver: every pair's lengths (tokenized once, in parallel, or read from the
+cache) -> plan every rank's steps from the lengths (and, for
+--ref_logps_cache, each rank's share of one scoring pass). rank: process
+group -> tokenizer and policy -> read and tokenize its own rows, by id -> the
 shared run (engine, resume, tracker, checkpoints; ``trainers/run.py``) ->
 reference scorer (colocated model, or a cache built once and the model
 freed) -> (demo: held-out preference accuracy and exact match) -> train ->
@@ -12,13 +13,12 @@ final model -> (demo again).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from pathlib import Path
 
 from openpack.core.losses import LossParams, needs_reference
 from openpack.core.schedule import RankPlan
-from openpack.data.preference import PreferencePair, pair_segments, tokenize_pairs
+from openpack.data.preference import PairTokenization, tokenize_pairs, warn_prompt_tails
 from openpack.distributed.process import barrier
 from openpack.models.loading import load_causal_lm, load_tokenizer
 from openpack.models.lora import apply_lora
@@ -26,28 +26,20 @@ from openpack.models.packed import PackedCausalLM
 from openpack.trainers import demo, reference
 from openpack.trainers.batching import MicroBatcher, join_context, scoring_batches, warn_if_memory_short
 from openpack.trainers.dpo import PreferenceObjective, dpo_step
-from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
+from openpack.trainers.run import TrainingRun, finish_data, own_items, plan_ranks, select_data, start_worker
 
 logger = logging.getLogger("openpack")
 
 
-def plan_dpo(cfg, world_size: int, demo_model=None) -> list[RankPlan]:
-    """The driver's work: every rank's plan (``cfg``: the run's ``DPORunConfig``)."""
-    return _tokenize_and_plan(cfg, world_size, demo_model, True)[1]
-
-
-def _tokenize_and_plan(cfg, world_size: int, demo_model, is_main: bool) -> tuple[list[PreferencePair], list[RankPlan]]:
-    """Tokenize every pair once (for lengths and bad-row errors) and plan each rank's steps."""
+def plan_dpo(cfg, world_size: int, demo_model=None, is_main: bool = True) -> list[RankPlan]:
+    """The driver's work: every rank's plan (``cfg``: the run's ``DPORunConfig``), from every pair's lengths."""
     data_cfg, train_cfg, dpo_cfg = cfg.data, cfg.train, cfg.dpo
     tokenizer = load_tokenizer(cfg.model.pretrain or str(demo_model))
     datasets = data_cfg.dataset or demo.write_preference_data(Path(cfg.output.save_path), is_main)
     barrier()  # torchrun: rank 0 wrote the demo data
-    rows = load_data_rows(datasets, data_cfg, train_cfg.seed)
-    pairs, report = _tokenize(rows, tokenizer, data_cfg, data_cfg.skip_bad_samples)
-    logger.info("data: %s", report.summary(len(pairs), data_cfg.max_len, rows.skipped))
+    selection = select_data(datasets, tokenizer, tokenization(data_cfg), data_cfg, train_cfg.seed)
     scoring = dpo_cfg.ref_logps_cache is not None and needs_reference(dpo_cfg.losses()[0])
-    return pairs, plan_ranks(pairs, pair_segments(data_cfg.prefix_sharing), datasets, train_cfg, world_size,
-                             _fingerprint(pairs), scoring)
+    return plan_ranks(finish_data(selection, data_cfg, warn_prompt_tails), datasets, train_cfg, world_size, scoring)
 
 
 def run_dpo(cfg, demo_model=None, save_config=None, reference_group=None, plan: RankPlan | None = None) -> int:
@@ -69,14 +61,11 @@ def run_dpo(cfg, demo_model=None, save_config=None, reference_group=None, plan: 
     context = join_context(train_cfg, model)  # --ring_attn_size: this rank's part of each row
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2,
                          frozen_params=sum(p.numel() for p in model.parameters()) if colocated else 0)
-    if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
-        items, plans = _tokenize_and_plan(cfg, dist.world_size, demo_model, dist.is_main)
-        plan = plans[dist.rank]
-    else:  # the driver's plan: tokenize only this rank's rows
-        rows = load_data_rows(plan.datasets, data_cfg, train_cfg.seed)
-        items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, False, warn=False)[0])
-    segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
-    pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
+    if plan is None:  # no driver (one process, torchrun): plan here
+        plan = plan_dpo(cfg, dist.world_size, demo_model, dist.is_main)[dist.rank]
+    how = tokenization(data_cfg)
+    items = own_items(plan, lambda rows: tokenize_pair_rows(rows, tokenizer, how))  # this rank's rows only
+    pairs = {i: how.segments(items[i], i) for i in plan.sample_ids()}  # prompt | chosen | rejected: --prefix_sharing
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0, context)
     run = TrainingRun(model, tokenizer, plan.steps, cfg, dist, save_config)
 
@@ -102,10 +91,18 @@ def run_dpo(cfg, demo_model=None, save_config=None, reference_group=None, plan: 
     return 0
 
 
-def _tokenize(rows, tokenizer, data_cfg, skip_bad_samples: bool, warn: bool = True):
-    return tokenize_pairs(rows, tokenizer, data_cfg.prompt_key, data_cfg.chosen_key, data_cfg.rejected_key,
-                          data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples, warn,
-                          apply_chat_template=data_cfg.apply_chat_template, input_template=data_cfg.input_template)
+def tokenization(data_cfg, margin_key: str | None = None) -> PairTokenization:
+    """How this run's rows become pairs: the data section's flags (train_rm adds --margin_key)."""
+    return PairTokenization(data_cfg.prompt_key, data_cfg.chosen_key, data_cfg.rejected_key, data_cfg.max_len,
+                            data_cfg.overlength_policy, data_cfg.apply_chat_template, data_cfg.input_template,
+                            margin_key, data_cfg.prefix_sharing)
+
+
+def tokenize_pair_rows(rows, tokenizer, how: PairTokenization, skip_bad_samples: bool = False):
+    """Rows as pairs; a rank's own rows (every one a pair in the driver) quietly: the driver warned."""
+    return tokenize_pairs(rows, tokenizer, how.prompt_key, how.chosen_key, how.rejected_key, how.max_len,
+                          how.overlength, skip_bad_samples, warn=False, apply_chat_template=how.apply_chat_template,
+                          input_template=how.input_template, margin_key=how.margin_key)[0]
 
 
 def build_reference(cfg, demo_model=None) -> reference.ModelReference:
@@ -147,13 +144,6 @@ def _reference(ref_name, model_cfg, dpo_cfg, plan, pairs, dist, eval_batches, ev
     reference.free(scorer)
     logger.info("reference log-probs cached in %s; reference model freed", dpo_cfg.ref_logps_cache)
     return cached, eval_ref
-
-
-def _fingerprint(pairs) -> str:
-    digest = hashlib.sha256()
-    for pair in pairs:
-        digest.update(repr((pair.prompt, pair.chosen, pair.rejected)).encode())
-    return digest.hexdigest()
 
 
 def _report_demo(tracker, model, tokenizer, eval_pairs, eval_ref, beta, eval_batches, dist, step, when) -> None:

@@ -1,10 +1,11 @@
 """What ``openpack train_rm`` runs: the driver's plan (``plan_rm``) and each rank's training (``run_rm``).
 
-driver: rows -> held-out split (``--eval_split_ratio``) -> tokenize every
-pair once -> plan every rank's steps from the lengths (and, for
-``--normalize_reward``, each rank's share of one scoring pass). rank: process
-group -> tokenizer and reward model (a causal LM gets a new value head) ->
-tokenize its own pairs -> the shared run (engine, resume, tracker,
+driver: rows with every pair's lengths (tokenized once, in parallel, or read
+from the cache) -> held-out split (``--eval_split_ratio``) -> plan every
+rank's steps from the lengths (and, for ``--normalize_reward``, each rank's
+share of one scoring pass). rank: process group -> tokenizer and reward
+model (a causal LM gets a new value head) -> read and tokenize its own rows,
+by id -> the shared run (engine, resume, tracker,
 checkpoints; ``trainers/run.py``) -> held-out accuracy before, every
 ``--eval_steps`` and after -> (``--normalize_reward``: the training set's
 reward mean and std into the config) -> the final model, a sequence
@@ -21,12 +22,14 @@ import logging
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from openpack.core.reward_losses import reward_pair_losses
 from openpack.core.schedule import RankPlan
-from openpack.data.loading import Rows, load_rows
-from openpack.data.preference import PreferencePair, pair_segments, tokenize_pairs
+from openpack.data.loading import load_rows
+from openpack.data.prepared import Selection
+from openpack.data.preference import warn_prompt_tails
 from openpack.distributed.process import barrier
 from openpack.models.loading import load_tokenizer
 from openpack.models.lora import apply_lora
@@ -35,46 +38,36 @@ from openpack.trainers import demo
 from openpack.trainers.batching import MicroBatcher, join_context, scoring_batches, warn_if_memory_short
 from openpack.trainers.reference import score_dataset
 from openpack.trainers.rm import RewardObjective, rm_step
-from openpack.trainers.run import TrainingRun, load_data_rows, own_items, plan_ranks, start_worker
+from openpack.trainers.dpo_worker import tokenization as pair_tokenization, tokenize_pair_rows
+from openpack.trainers.run import TrainingRun, finish_data, own_items, plan_ranks, select_data, start_worker
 
 logger = logging.getLogger("openpack")
 
 
-def plan_rm(cfg, world_size: int, demo_model=None) -> list[RankPlan]:
-    """The driver's work: every rank's plan (``cfg``: the run's ``RMRunConfig``)."""
-    return _tokenize_and_plan(cfg, world_size, demo_model, True)[1]
-
-
-def _training_rows(datasets, data_cfg, rm_cfg, seed: int) -> tuple[Rows, Rows | None]:
-    """The rows to train on, and the held-out rows ``--eval_split_ratio`` takes out of them (else None).
-
-    A row is held out by a hash of its index and the seed, so the driver and every rank split alike.
-    """
-    rows = load_data_rows(datasets, data_cfg, seed)
-    if not rm_cfg.eval_split_ratio:
-        return rows, None
-    held = [zlib.crc32(f"{seed}:{i}".encode()) % 10_000 < rm_cfg.eval_split_ratio * 10_000 for i in range(len(rows))]
-
-    def rows_where(out: bool) -> Rows:
-        keep = [i for i, h in enumerate(held) if h == out]
-        return Rows([rows.rows[i] for i in keep], [rows.sources[i] for i in keep], rows.skipped)
-
-    return rows_where(False), rows_where(True)
-
-
-def _tokenize_and_plan(cfg, world_size: int, demo_model, is_main: bool) -> tuple[list[PreferencePair], list[RankPlan]]:
-    """Tokenize every training pair once (for lengths and bad-row errors) and plan each rank's steps."""
+def plan_rm(cfg, world_size: int, demo_model=None, is_main: bool = True) -> list[RankPlan]:
+    """The driver's work: every rank's plan (``cfg``: the run's ``RMRunConfig``), from every pair's lengths."""
     data_cfg, train_cfg, rm_cfg = cfg.data, cfg.train, cfg.rm
     tokenizer = load_tokenizer(cfg.model.pretrain or str(demo_model))
     datasets = data_cfg.dataset or demo.write_preference_data(Path(cfg.output.save_path), is_main,
                                                               demo.REWARD_SAMPLES, "rm_train.jsonl")
     barrier()  # torchrun: rank 0 wrote the demo data
-    rows, _ = _training_rows(datasets, data_cfg, rm_cfg, train_cfg.seed)
-    pairs, report = _tokenize(rows, tokenizer, data_cfg, rm_cfg, data_cfg.skip_bad_samples)
-    logger.info("data: %s", report.summary(len(pairs), data_cfg.max_len, rows.skipped))
-    plans = plan_ranks(pairs, pair_segments(data_cfg.prefix_sharing), datasets, train_cfg, world_size,
-                       scoring=rm_cfg.normalize_reward)
-    return pairs, plans
+    training, _ = _training_rows(datasets, tokenizer, data_cfg, rm_cfg, train_cfg.seed)
+    return plan_ranks(finish_data(training, data_cfg, warn_prompt_tails), datasets, train_cfg, world_size,
+                      scoring=rm_cfg.normalize_reward)
+
+
+def _training_rows(datasets, tokenizer, data_cfg, rm_cfg, seed: int) -> tuple[Selection, Selection | None]:
+    """The rows to train on, and the held-out rows ``--eval_split_ratio`` takes out of them (else None).
+
+    A row is held out by a hash of its place among the loaded rows and the seed, so the driver and every rank
+    split alike.
+    """
+    rows = select_data(datasets, tokenizer, pair_tokenization(data_cfg, rm_cfg.margin_key), data_cfg, seed)
+    if not rm_cfg.eval_split_ratio:
+        return rows, None
+    held = np.array([zlib.crc32(f"{seed}:{i}".encode()) % 10_000 < rm_cfg.eval_split_ratio * 10_000
+                     for i in range(len(rows))], dtype=bool)
+    return rows.take(~held), rows.take(held)
 
 
 def run_rm(cfg, demo_model=None, save_config=None, plan: RankPlan | None = None) -> int:
@@ -89,14 +82,11 @@ def run_rm(cfg, demo_model=None, save_config=None, plan: RankPlan | None = None)
     model = apply_lora(model, model_cfg, head=HEAD)  # LoRA: adapters, and the value head trained in full
     context = join_context(train_cfg)  # --ring_attn_size: this rank's part of each row (no router loss trained)
     warn_if_memory_short(model, model_cfg, train_cfg, data_cfg.max_len, dist, segments_per_sample=2)
-    if plan is None:  # no driver (one process, torchrun): plan here and keep what was just tokenized
-        items, plans = _tokenize_and_plan(cfg, dist.world_size, demo_model, dist.is_main)
-        plan = plans[dist.rank]
-    else:  # the driver's plan: tokenize only this rank's rows
-        rows, _ = _training_rows(plan.datasets, data_cfg, rm_cfg, train_cfg.seed)
-        items = own_items(plan, rows, lambda subset: _tokenize(subset, tokenizer, data_cfg, rm_cfg, False, False)[0])
-    segments = pair_segments(data_cfg.prefix_sharing)  # prompt | chosen | rejected with --prefix_sharing
-    pairs = {i: segments(items[i], i) for i in plan.sample_ids()}
+    if plan is None:  # no driver (one process, torchrun): plan here
+        plan = plan_rm(cfg, dist.world_size, demo_model, dist.is_main)[dist.rank]
+    how = pair_tokenization(data_cfg, rm_cfg.margin_key)
+    items = own_items(plan, lambda rows: tokenize_pair_rows(rows, tokenizer, how))  # this rank's rows only
+    pairs = {i: how.segments(items[i], i) for i in plan.sample_ids()}  # prompt | chosen | rejected: --prefix_sharing
     batcher = MicroBatcher(pairs.__getitem__, train_cfg.packing_samples, tokenizer.pad_token_id or 0, context)
     module = PackedRewardModel(model)
     run = TrainingRun(model, tokenizer, plan.steps, cfg, dist, save_config, module=module)
@@ -127,13 +117,6 @@ def run_rm(cfg, demo_model=None, save_config=None, plan: RankPlan | None = None)
     return 0
 
 
-def _tokenize(rows, tokenizer, data_cfg, rm_cfg, skip_bad_samples: bool, warn: bool = True):
-    return tokenize_pairs(rows, tokenizer, data_cfg.prompt_key, data_cfg.chosen_key, data_cfg.rejected_key,
-                          data_cfg.max_len, data_cfg.overlength_policy, skip_bad_samples, warn,
-                          apply_chat_template=data_cfg.apply_chat_template, input_template=data_cfg.input_template,
-                          margin_key=rm_cfg.margin_key)
-
-
 def _held_out_pairs(tokenizer, data_cfg, rm_cfg, seed: int, datasets, is_demo: bool) -> list | None:
     """The pairs held-out accuracy is measured on: --eval_dataset, the --eval_split_ratio share, or the demo's."""
     if is_demo and not (rm_cfg.eval_dataset or rm_cfg.eval_split_ratio):
@@ -141,10 +124,12 @@ def _held_out_pairs(tokenizer, data_cfg, rm_cfg, seed: int, datasets, is_demo: b
     if rm_cfg.eval_dataset:
         rows = load_rows(rm_cfg.eval_dataset, None, seed, data_cfg.skip_bad_samples)
     elif rm_cfg.eval_split_ratio:
-        rows = _training_rows(datasets, data_cfg, rm_cfg, seed)[1]
+        held = _training_rows(datasets, tokenizer, data_cfg, rm_cfg, seed)[1]
+        rows = held.read() if len(held) else None
     else:
         return None
-    return _tokenize(rows, tokenizer, data_cfg, rm_cfg, data_cfg.skip_bad_samples, warn=False)[0] if rows else None
+    how = pair_tokenization(data_cfg, rm_cfg.margin_key)
+    return tokenize_pair_rows(rows, tokenizer, how, data_cfg.skip_bad_samples) if rows else None
 
 
 def _evaluate(engine, batches, num_pairs: int, loss: str, dist) -> dict[str, float]:

@@ -1,9 +1,10 @@
 """What every training command does around its step: engine, resume, tracking, checkpoints, final model.
 
-The driver tokenizes every row once and plans every rank's steps from the
-lengths (``plan_ranks``); a rank tokenizes only its own samples
+The driver tokenizes every row once (or reads the lengths from the cache,
+``data/prepared.py``) and plans every rank's steps from the lengths
+(``plan_ranks``); a rank reads and tokenizes only its own rows, by id
 (``own_items``). Without a driver (one process, torchrun) a rank plans
-itself and keeps the samples it has just tokenized. A worker prepares its data and a step function;
+itself the same way. A worker prepares its data and a step function;
 ``TrainingRun`` does the rest in the same order for SFT and DPO: DeepSpeed
 engine -> resume from the latest checkpoint -> config.yaml -> tracker ->
 steps (checkpointing every ``--save_steps`` and at the end) -> the final HF
@@ -29,9 +30,9 @@ from typing import Protocol, TypeVar
 import torch
 import yaml
 
-from openpack.core.batch import Segment
 from openpack.core.schedule import RankPlan, plan_run, plan_scoring
-from openpack.data.loading import DataError, Rows, load_rows
+from openpack.data.loading import DataError, Rows, open_datasets
+from openpack.data.prepared import Prepared, Selection, select
 from openpack.distributed.checkpoint import (RunState, check_resumable, decided_by_main, load_checkpoint,
                                              open_checkpoint, save_checkpoint, save_hf_model)
 from openpack.distributed.engine import OptimConfig, ZeroConfig, create_engine, engine_stage
@@ -67,35 +68,30 @@ class Position:
     global_step: int = 0
 
 
-def plan_ranks(items: list, segments: Callable[[object, int], list[Segment]], datasets: list[str], train_cfg,
-               world_size: int, fingerprint: str = "", scoring: bool = False) -> list[RankPlan]:
-    """The driver's work: every rank's plan for the whole run, from the tokenized samples' lengths.
+def plan_ranks(data: Prepared, datasets: list[str], train_cfg, world_size: int,
+               scoring: bool = False) -> list[RankPlan]:
+    """The driver's work: every rank's plan for the whole run, from the samples' lengths (``data``).
 
-    ``items`` are every tokenized sample (each with its ``row``); ``segments(item, i)`` makes sample i's
-    segments. ``scoring`` adds each rank's share of one pass over every sample (the reference cache).
+    ``scoring`` adds each rank's share of one pass over every sample (the reference cache).
     Under --ring_attn_size N the steps are planned for world / N data-parallel ranks, and ranks
     r N .. r N + N - 1 (one context group) all get data-parallel rank r's micro-batches.
     """
-    per_sample = [segments(item, i) for i, item in enumerate(items)]
-    lengths = [tuple(len(seg.tokens) for seg in segs) for segs in per_sample]
-    labels = [tuple(seg.num_labels for seg in segs) for segs in per_sample]
     ring = context_parallel_size(train_cfg)
-    steps = plan_run(lengths, labels, world_size // ring, batching(train_cfg), train_cfg.train_batch_size,
+    steps = plan_run(data.lengths, data.labels, world_size // ring, batching(train_cfg), train_cfg.train_batch_size,
                      train_cfg.max_epochs, train_cfg.max_steps, train_cfg.seed)
     steps = [steps[rank // ring] for rank in range(world_size)]
     if not steps[0]:
-        raise DataError(f"{len(items)} samples make no full step of --train_batch_size "
+        raise DataError(f"{len(data.rows)} samples make no full step of --train_batch_size "
                         f"{train_cfg.train_batch_size}; lower --train_batch_size or add data")
-    score = plan_scoring(lengths, world_size, train_cfg.max_tokens_per_gpu) if scoring else [None] * world_size
-    rows = [item.row for item in items]
-    return [RankPlan(steps[r], rows, fingerprint, datasets, score[r]) for r in range(world_size)]
+    score = plan_scoring(data.lengths, world_size, train_cfg.max_tokens_per_gpu) if scoring else [None] * world_size
+    return [RankPlan(steps[r], data.rows, data.fingerprint, datasets, score[r]) for r in range(world_size)]
 
 
-def own_items(plan: RankPlan, rows: Rows, tokenize: Callable[[Rows], list]) -> dict[int, object]:
-    """Tokenize only the rows behind this rank's sample ids; the driver tokenized all of them once, for lengths."""
+def own_items(plan: RankPlan, tokenize: Callable[[Rows], list]) -> dict[int, object]:
+    """Read and tokenize only the rows behind this rank's sample ids, by their global ids (``plan.rows``); the
+    driver measured all of them once, for lengths."""
     ids = plan.sample_ids()
-    subset = Rows([rows.rows[plan.rows[i]] for i in ids], [rows.sources[plan.rows[i]] for i in ids])
-    items = tokenize(subset)
+    items = tokenize(open_datasets(plan.datasets).read(plan.rows[ids]))
     if len(items) != len(ids):
         raise RuntimeError(f"{len(ids)} rows gave {len(items)} samples here but not in the driver: is the data "
                            "or the tokenizer different on this node?")
@@ -250,9 +246,20 @@ def start_worker(model_cfg, seed: int) -> DistInfo:
     return dist
 
 
-def load_data_rows(datasets: list[str], data_cfg, seed: int) -> Rows:
-    """The rows of --dataset (mixed by --dataset_probs), cut to --max_samples."""
-    rows = load_rows(datasets, data_cfg.dataset_probs, seed, data_cfg.skip_bad_samples)
-    if data_cfg.max_samples is not None:
-        rows.rows, rows.sources = rows.rows[:data_cfg.max_samples], rows.sources[:data_cfg.max_samples]
-    return rows
+def select_data(datasets: list[str], tokenizer, tokenization, data_cfg, seed: int) -> Selection:
+    """The rows of --dataset (mixed by --dataset_probs, cut to --max_samples) with each row's lengths, tokenized
+    once in parallel or read from --data_cache_dir (``data/prepared.py``)."""
+    return select(datasets, tokenizer, tokenization, probs=data_cfg.dataset_probs, seed=seed,
+                  skip_bad_samples=data_cfg.skip_bad_samples, max_samples=data_cfg.max_samples,
+                  cache_dir=data_cfg.data_cache_dir, num_proc=data_cfg.dataset_num_proc)
+
+
+def finish_data(selection: Selection, data_cfg, warn_prompt_tails: Callable[[int], None]) -> Prepared:
+    """The samples of ``selection`` (bad rows raised or counted), with the driver's two lines: where the lengths
+    came from (tokenized, or the cache) and what the rows gave."""
+    data = selection.finish(data_cfg.skip_bad_samples)
+    logging.getLogger("openpack").info("data: %s", selection.notice)
+    logging.getLogger("openpack").info("data: %s", data.summary)
+    if data.prompt_tails:
+        warn_prompt_tails(data.prompt_tails)
+    return data

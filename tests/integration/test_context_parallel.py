@@ -240,10 +240,15 @@ def _trained_rows(command, argv):
     from openpack.config import commands
     from openpack.core.batch import collate_packed
     from openpack.data.preference import pair_segments
+    from openpack.models.loading import load_tokenizer
+    from openpack.trainers.dpo_worker import tokenization, tokenize_pair_rows
+    from openpack.trainers.run import own_items
 
     cfg = {"train_dpo": commands.DPO, "train_rm": commands.RM}[command].run_config.parse(argv, command, "")
-    pairs, plans = importlib.import_module(f"openpack.trainers.{command[6:]}_worker")._tokenize_and_plan(
-        cfg, 2, None, True)
+    plans = getattr(importlib.import_module(f"openpack.trainers.{command[6:]}_worker"), f"plan_{command[6:]}")(cfg, 2)
+    how = tokenization(cfg.data, cfg.rm.margin_key if command == "train_rm" else None)
+    tokenizer = load_tokenizer(cfg.model.pretrain)
+    pairs = own_items(plans[0], lambda rows: tokenize_pair_rows(rows, tokenizer, how))
     segments = pair_segments(False)
     return [collate_packed([seg for i in ids for seg in segments(pairs[i], i)])
             for step in plans[0].steps for ids in step.micro_batches]

@@ -242,6 +242,6 @@ def test_the_worker_tokenizes_smollm2_rows_with_assistant_loss(bpe_tok):
 
     data_config = parse_config(["--pretrain", "m", "--dataset", "d.jsonl"], "t", "", *sft.CONFIGS)[1]
     tokenizer = with_template(bpe_tok, "smollm2")
-    samples, report = _tokenize(rows_of(CONVERSATION), tokenizer, data_config, False)
+    samples = _tokenize(rows_of(CONVERSATION), tokenizer, data_config)
     assert data_config.conversation_loss == "assistant"
     assert target_spans(tokenizer, samples[0]) == [answer + "<|im_end|>" for answer in ANSWERS]

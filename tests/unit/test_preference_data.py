@@ -479,14 +479,15 @@ def test_flags_reach_the_tokenizer(tok):
     """--apply_chat_template and --input_template parse into PreferenceDataConfig and reach tokenize_pairs."""
     from openpack.config import dpo
     from openpack.config.schema import parse_config
-    from openpack.trainers.dpo_worker import _tokenize
+    from openpack.trainers.dpo_worker import tokenization, tokenize_pair_rows
 
     def data_config(*flags):
         return parse_config(["--pretrain", "m", "--dataset", "d.jsonl", *flags], "t", "", *dpo.CONFIGS)[1]
 
-    pairs, _ = _tokenize(rows_of(pair_row()), tok, data_config("--apply_chat_template"), False)
+    pairs = tokenize_pair_rows(rows_of(pair_row()), tok, tokenization(data_config("--apply_chat_template")))
     assert pairs[0].prompt == CHAT_PROMPT
-    pairs, _ = _tokenize(rows_of(pair_row()), tok, data_config("--input_template", "q: {}\na: "), False)
+    how = tokenization(data_config("--input_template", "q: {}\na: "))
+    pairs = tokenize_pair_rows(rows_of(pair_row()), tok, how)
     assert tok.decode(pairs[0].prompt) == "q: 1+2=\na: "
 
 

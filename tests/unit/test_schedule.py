@@ -1,13 +1,14 @@
 """The run plan: every rank's steps, planned once from lengths (by the Ray driver, or by each torchrun rank)."""
 
+import json
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from openpack.core.batch import Segment
 from openpack.core.schedule import Batching, epoch_steps, plan_run, plan_scoring
-from openpack.data.loading import Rows
+from openpack.data.prepared import Prepared
 from openpack.trainers.run import own_items, plan_ranks
 
 rng = random.Random(0)
@@ -58,24 +59,26 @@ def test_scoring_covers_every_sample_once():
     assert len(shares[0]) == len(shares[1])
 
 
-def test_a_rank_tokenizes_only_its_own_rows():
-    rows = Rows([{"text": "x" * n} for n, _ in LENGTHS], [f"f:{i}" for i in range(50)])
-    items = [SimpleNamespace(tokens=[0] * len(r["text"]), row=i) for i, r in enumerate(rows.rows)]
+def test_a_rank_reads_and_tokenizes_only_its_own_rows(tmp_path):
+    """The plan holds lengths and row ids only; a rank reads its rows by id (here every other line: blank lines
+    between rows) and tokenizes them in one call."""
+    path = tmp_path / "f.jsonl"
+    path.write_text("".join(json.dumps({"text": "x" * n}) + "\n\n" for n, _ in LENGTHS))
+    data = Prepared(rows=np.arange(50) * 2, lengths=np.array([[n] for n, _ in LENGTHS], dtype=np.int32),
+                    labels=np.array([[n - 1] for n, _ in LENGTHS], dtype=np.int32), summary="", prompt_tails=0,
+                    fingerprint="f")
     cfg = SimpleNamespace(packing_samples=True, use_dynamic_batch=True, max_tokens_per_gpu=64, train_batch_size=8,
                           max_epochs=1, max_steps=None, seed=1, micro_train_batch_size=1)
-
-    def segments(item, i):
-        return [Segment(item.tokens, [False] + [True] * (len(item.tokens) - 1), sample_index=i)]
-
-    plans = plan_ranks(items, segments, ["f"], cfg, world_size=2)
+    plans = plan_ranks(data, [str(path)], cfg, world_size=2)
     seen = []
 
     def tokenize(subset):
-        seen.append(len(subset))
+        seen.append(subset.sources)
         return [SimpleNamespace(tokens=[0] * len(r["text"])) for r in subset.rows]
 
-    mine = own_items(plans[1], rows, tokenize)
-    assert seen == [len(mine)] and sorted(mine) == plans[1].sample_ids()  # one call, this rank's rows only
+    mine = own_items(plans[1], tokenize)
+    assert [len(s) for s in seen] == [len(mine)] and sorted(mine) == plans[1].sample_ids()  # one call, own rows
+    assert seen[0] == [f"{path}:{2 * i + 1}" for i in plans[1].sample_ids()]
     assert all(len(mine[i].tokens) == LENGTHS[i][0] for i in mine)
     assert set(plans[0].sample_ids()).isdisjoint(plans[1].sample_ids())
     assert len(plans[0].sample_ids()) + len(plans[1].sample_ids()) == 48  # 6 full steps of 8 out of 50

@@ -457,7 +457,8 @@ def test_openrlhf_keys_match_trl(tok, bpe_tok, trl_sft_for):
 
 
 def test_flags_reach_the_tokenizer(tok):
-    """--messages_key, --conversation_loss and --input_template parse into DataConfig and reach tokenize_sft."""
+    """--messages_key, --conversation_loss and --input_template parse into DataConfig and reach tokenize_sft, as a
+    rank calls it (the driver's pass reads the same SFTTokenization, ``sft_worker.tokenization``)."""
     from openpack.config import sft
     from openpack.config.schema import parse_config
     from openpack.trainers.sft_worker import _tokenize
@@ -465,10 +466,10 @@ def test_flags_reach_the_tokenizer(tok):
     def data_config(*flags):
         return parse_config(["--pretrain", "m", "--dataset", "d.jsonl", *flags], "t", "", *sft.CONFIGS)[1]
 
-    samples, _ = _tokenize(rows_of({"chat": TWO_TURNS}), tok, data_config("--messages_key", "chat",
-                                                                          "--conversation_loss", "all"), False)
+    samples = _tokenize(rows_of({"chat": TWO_TURNS}), tok, data_config("--messages_key", "chat",
+                                                                       "--conversation_loss", "all"))
     assert samples[0].targets == [True] * 49
-    samples, _ = _tokenize(rows_of(SHORT), tok, data_config("--input_template", "q: {}\na: "), False)
+    samples = _tokenize(rows_of(SHORT), tok, data_config("--input_template", "q: {}\na: "))
     assert tok.decode(samples[0].tokens) == "q: 1+2=\na: 3<eos>"
 
 
