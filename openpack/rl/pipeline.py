@@ -11,7 +11,9 @@ The trade-off (PipelineRL, AReaL): generation stops waiting for training, and a 
 sampled by version v - N (the ratio's denominator then comes from a scoring pass of the current policy, and the
 vLLM log-probs feed the TIS correction as before). Ordering is what makes the versions exact: a Ray actor runs
 its calls in order, so a weight update queued after a generation waits for it; in-process engines get the same
-rule from one worker thread (``generation.InOrder``).
+rule from one worker thread (``generation.InOrder``). A multi-turn episode's turn asked for after an update was
+queued samples with the new weights; the episode keeps the version it was asked with, its oldest (so staleness is
+never understated), and its behaviour log-probs are each turn's own sampler's.
 
 Partial rollouts (``--partial_rollout``; OpenRLHF's ``--train.partial_rollout_enable``, NeMo-RL's in-flight weight
 updates): the update does not wait. The engines pause between two sampling steps, keeping the completions under
