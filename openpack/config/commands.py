@@ -88,9 +88,10 @@ def demo_sft_model(launch_cfg: LaunchConfig, seed: int) -> Path:
     from openpack.trainers import demo
 
     cache = demo.cache_root() / f"demo_sft-{demo.code_key(sft.DEMO_CONFIG)}-seed{seed}"
-    if not (cache / "model" / "config.json").exists():
-        print(f"openpack: training the SFT demo model first (cached in {cache})")
-        run_stage(SFT, ["--save_path", str(cache), "--seed", str(seed)], launch_cfg)
+    with demo.building(cache):
+        if not (cache / "model" / "config.json").exists():
+            print(f"openpack: training the SFT demo model first (cached in {cache})")
+            run_stage(SFT, ["--save_path", str(cache), "--seed", str(seed)], launch_cfg)
     return cache / "model"
 
 
@@ -100,9 +101,10 @@ def demo_rm_model(launch_cfg: LaunchConfig, seed: int) -> Path:
     from openpack.trainers import demo
 
     cache = demo.cache_root() / f"demo_rm-{demo.code_key(rm.DEMO_CONFIG, sft.DEMO_CONFIG)}-seed{seed}"
-    if not (cache / "model" / "config.json").exists():
-        print(f"openpack: training the reward-model demo first (cached in {cache})")
-        run_stage(RM, ["--save_path", str(cache), "--seed", str(seed), "--normalize_reward"], launch_cfg)
+    with demo.building(cache):
+        if not (cache / "model" / "config.json").exists():
+            print(f"openpack: training the reward-model demo first (cached in {cache})")
+            run_stage(RM, ["--save_path", str(cache), "--seed", str(seed), "--normalize_reward"], launch_cfg)
     return cache / "model"
 
 
@@ -118,15 +120,17 @@ def with_demo_reward_model(cfg: PPORunConfig, demo_model: Path | None) -> PPORun
 def with_agent_demo(cfg: PPORunConfig) -> PPORunConfig:
     """``--demo agent``: the demo's SFT model (trained first with ``openpack train_sft`` and cached), prompts,
     held-out prompts and tools file, for the flags the user left unset (``trainers/agent_demo.py``)."""
-    from openpack.trainers import agent_demo
+    from openpack.trainers import agent_demo, demo
 
     if cfg.model.pretrain or cfg.data.prompt_data or cfg.agent.enabled:
         raise ConfigError("--demo agent brings its own model, prompts and tools: drop --pretrain, --prompt_data, "
                           "--env_file, --agent_func_path and --tools")
-    files, sft_argv = agent_demo.prepare(cfg.train.seed)
-    if sft_argv is not None:
-        print(f"openpack: training the agent demo's SFT model first (cached in {Path(files['model']).parent.parent})")
-        run_stage(SFT, sft_argv, cfg.launch)
+    with demo.building(agent_demo.cache_folder(cfg.train.seed)):
+        files, sft_argv = agent_demo.prepare(cfg.train.seed)
+        if sft_argv is not None:
+            print(f"openpack: training the agent demo's SFT model first (cached in "
+                  f"{Path(files['model']).parent.parent})")
+            run_stage(SFT, sft_argv, cfg.launch)
     return replace(cfg, model=replace(cfg.model, pretrain=files["model"]),
                    data=replace(cfg.data, prompt_data=[files["prompts"]], label_key="answer"),
                    agent=replace(cfg.agent, tools=files["tools"]),

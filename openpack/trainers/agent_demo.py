@@ -107,6 +107,11 @@ def _write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
+def cache_folder(seed: int) -> Path:
+    """Where the demo's files for ``seed`` are cached: named by a digest of this recipe and the package's code."""
+    return cache_root() / f"agent_demo-{code_key(Path(__file__))}-seed{seed}"
+
+
 def prepare(seed: int) -> tuple[dict[str, str], list[str] | None]:
     """The demo's files, built once per recipe and seed (cached like the other demos): the SFT model, the RL and
     held-out prompts, and the tools file; and, while the SFT model is missing, the ``openpack train_sft`` arguments
@@ -114,7 +119,7 @@ def prepare(seed: int) -> tuple[dict[str, str], list[str] | None]:
     from openpack.models.loading import quiet_progress_bars
     from openpack.models.tiny import tiny_causal_lm
 
-    root = cache_root() / f"agent_demo-{code_key(Path(__file__))}-seed{seed}"
+    root = cache_folder(seed)
     files = {"tools": str(root / "tools.py"), "prompts": str(root / "prompts.jsonl"),
              "eval": str(root / "eval.jsonl"), "model": str(root / "sft" / "model")}
     if (root / "sft" / "model" / "config.json").exists():

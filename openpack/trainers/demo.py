@@ -9,6 +9,8 @@ the bare form the preference pairs prefer. Runs offline on 2 CPU cores.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 from pathlib import Path
@@ -30,6 +32,21 @@ PREFERENCE_SAMPLES = 4096
 REWARD_SAMPLES = 8960  # two passes over the ~9,000 training problems: judging a sum right needs more than DPO
 PROMPT_SAMPLES = 4096  # RL prompts: more than a demo run samples, so no prompt repeats
 EVAL_SAMPLES = 1022  # every held-out problem
+
+
+@contextlib.contextmanager
+def building(cache: Path):
+    """Held while this process checks for a cached demo folder and builds it if missing. Another process that asks
+    for the same folder meanwhile (two runs started at once, the test suite's workers) waits here for the first,
+    then finds the folder built, instead of failing on the save path's lock (``distributed/save_path.py``)."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / f"{cache.name}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"openpack: waiting for another process that is building {cache}", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 def code_key(*recipe_files: Path) -> str:
