@@ -4,8 +4,7 @@ A demo model cached by older code once made a test pass on the machine that held
 fresh one (issue 12). The variables are set before any test module is imported, so subprocesses (the
 CLI, Ray actors) inherit them too; the folder is removed when the session ends.
 
-``OPENPACK_TEST_CACHES`` names a folder the caller made empty for this run instead, and removes itself (the
-session sets it to its own folder, so the workers of ``-n 2`` share one):
+``OPENPACK_TEST_CACHES`` names a folder the caller made empty for this run instead, and removes itself:
 `.ci/run` passes the one its README quick start has just filled, so the suite reuses the SFT demo model and
 DeepSpeed's CPU op that this checkout built minutes before (a demo model is cached under a digest of the
 code that trained it, so nothing older can be picked up) rather than train and build them again.
@@ -29,7 +28,6 @@ _root = os.environ.get("OPENPACK_TEST_CACHES")
 if not _root:
     _root = tempfile.mkdtemp(prefix="openpack-test-caches-")
     atexit.register(shutil.rmtree, _root, ignore_errors=True)
-    os.environ["OPENPACK_TEST_CACHES"] = _root  # pytest-xdist's workers, started from this process, share it
 for _variable, _folder in CACHE_VARIABLES.items():
     os.environ[_variable] = os.path.join(_root, _folder)
 
@@ -61,27 +59,6 @@ def pytest_collection_modifyitems(config, items):
         marked, required = vllm_marker(item)
         if required and not VLLM_INSTALLED:
             item.add_marker(pytest.mark.skip(reason=SKIP_WITHOUT_VLLM))
-    if getattr(config.option, "numprocesses", None):
-        items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))  # stable: collection order otherwise
-
-
-# The README's command runs the suite on 2 workers (pytest-xdist, ``-n 2 --dist loadfile``): each module's tests on one
-# worker, so a module's fixtures are built once. A worker takes the next module when it is free, so the longest
-# modules go first, or one started last would run alone at the end; the rest keep their order. Seconds a module
-# took in a quiet 2-core `.ci/run` on one process (2026-11-28, docs/verification.md), roughly; a missing module
-# only runs later.
-LONGEST_FIRST: dict[str, float] = {
-    "test_agent_demo.py": 330, "test_gpu_runbook.py": 260, "test_ppo_demo.py": 210, "test_ray_launcher.py": 200,
-    "test_benchmark_scripts.py": 200, "test_train_ppo.py": 180, "test_context_parallel.py": 150,
-    "test_rl_resume_faults.py": 120, "test_weight_sync_ray.py": 120, "test_rl_async.py": 100, "test_colocation.py": 80,
-    "test_rl_two_nodes.py": 70, "test_reward_actors.py": 60, "test_rollout_vllm_ray.py": 60, "test_grpo_demo.py": 45,
-    "test_ray_job_submit.py": 40,
-}
-
-
-def pytest_configure(config):
-    if getattr(config.option, "numprocesses", None):
-        config.option.loadscopereorder = False  # xdist's own order (by test count) would undo LONGEST_FIRST
 
 
 @pytest.fixture(autouse=True)
