@@ -122,7 +122,7 @@ class Experience:
     lengths: list[int]  # trained tokens of each completion
     behaviour: list[torch.Tensor]  # the sampler's log-probs
     advantages: list[torch.Tensor]
-    versions: list[torch.Tensor] | None = None  # the policy version that sampled each token (int64; None: unknown)
+    versions: list[torch.Tensor] | None = None  # the version that sampled each token (int64; None: synchronous, or unknown)
     old: dict[int, torch.Tensor] | None = None  # the policy's before the update (None: the update's own, detached)
     ref: dict[int, torch.Tensor] | None = None
     teacher: dict[int, torch.Tensor] | None = None  # the distillation teacher's
@@ -158,7 +158,7 @@ def make_experience(rollouts: Rollouts, scorers: Scorers, settings: RLSettings, 
                       batcher=MicroBatcher(units.segments, settings.packing_samples, pad_token_id, context),
                       lengths=rollouts.response_lengths(), behaviour=[torch.tensor(b) for b in rollouts.behaviour],
                       versions=[torch.tensor(rollouts.sampled_by(k), dtype=torch.int64) for k in range(rollouts.size)]
-                      if rollouts.versions else None,
+                      if settings.async_staleness > 0 and rollouts.versions else None,  # read only when asynchronous
                       advantages=per_token, old=old, ref=ref, teacher=teacher, values=values, returns=returns)
 
 
