@@ -122,7 +122,7 @@ class Experience:
     lengths: list[int]  # trained tokens of each completion
     behaviour: list[torch.Tensor]  # the sampler's log-probs
     advantages: list[torch.Tensor]
-    versions: list[torch.Tensor] | None = None  # the version that sampled each token (int64; None: synchronous, or unknown)
+    versions: list[torch.Tensor] | None = None  # each token's sampling version (int64; None: synchronous or unknown)
     old: dict[int, torch.Tensor] | None = None  # the policy's before the update (None: the update's own, detached)
     ref: dict[int, torch.Tensor] | None = None
     teacher: dict[int, torch.Tensor] | None = None  # the distillation teacher's
