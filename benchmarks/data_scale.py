@@ -3,6 +3,10 @@ openpack against TRL 1.16's SFTTrainer preparing and packing the same rows on th
 
     python benchmarks/data_scale.py [--rows 50000 200000 1000000] [--tokenizers demo smollm2] [--trl_rows 200000]
     python benchmarks/data_scale.py --smoke --out /tmp/x     # 2000 rows, one tokenizer (CI: the harness runs)
+    python benchmarks/data_scale.py --rows 200000 --tokenizers demo --formats jsonl json --trl_rows 0
+
+``--formats json`` writes the same rows as one ``.json`` array (pretty-printed, an element a few lines) and runs
+openpack on it too: the array is indexed like JSONL (``openpack/data/json_array.py``), not parsed whole.
 
 Data: JSONL rows ``{"prompt", "completion"}`` (TRL's prompt/completion, which openpack reads too) of English-like
 words, 20-500 characters a row (uniform), split at a uniform point, seed 0. Tokenizers: the SFT demo's (one token a
@@ -61,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trl_rows", type=int, default=200_000, help="largest row count TRL is run on too")
     parser.add_argument("--big_tokenizers", nargs="+", default=["demo"],
                         help="tokenizers run at row counts above --trl_rows (openpack only)")
+    parser.add_argument("--formats", nargs="+", default=["jsonl"], choices=["jsonl", "json"],
+                        help="file kinds openpack reads the rows from (TRL reads the JSONL)")
     parser.add_argument("--smoke", action="store_true", help="2000 rows, the demo tokenizer, docs untouched")
     parser.add_argument("--merge", type=Path, nargs="*", default=[],
                         help="results.json files of earlier runs of this script to show in the section too")
@@ -89,6 +95,16 @@ def write_rows(path: Path, rows: int, seed: int = 0) -> Path:
                 text = " ".join(text)[:total]
                 lines.append(json.dumps({"prompt": text[:cut], "completion": text[cut:]}))
             f.write("\n".join(lines) + "\n")
+    return path
+
+
+def write_array(lines: Path, path: Path) -> Path:
+    """The rows of the JSONL file ``lines`` as one JSON array, an element over several lines, written streaming."""
+    with open(lines) as f, open(path, "w") as out:
+        out.write("[\n")
+        for k, line in enumerate(f):
+            out.write((",\n" if k else "") + json.dumps(json.loads(line), indent=1))
+        out.write("\n]\n")
     return path
 
 
@@ -213,23 +229,30 @@ def benchmark(args, work: Path) -> int:
         for rows in args.rows:
             if rows > args.trl_rows and tokenizer_name not in args.big_tokenizers:
                 continue
-            data = work / f"rows_{rows}.jsonl"
-            if not data.exists():
-                write_rows(data, rows)
-            tag = f"{tokenizer_name}_{rows}"
-            arms = {"openpack": lambda run, cache: openpack_run(model, data, work / f"op_{tag}_{run}",
-                                                                work / f"op_cache_{tag}", env)}
+            lines = work / f"rows_{rows}.jsonl"
+            if not lines.exists():
+                write_rows(lines, rows)
+            arms = {}
+            for fmt in args.formats:
+                data = lines if fmt == "jsonl" else work / f"rows_{rows}.json"
+                if not data.exists():
+                    write_array(lines, data)
+                tag = f"{tokenizer_name}_{rows}_{fmt}"
+                arms[("openpack", fmt)] = (data, lambda run, cache, data=data, tag=tag: openpack_run(
+                    model, data, work / f"op_{tag}_{run}", work / f"op_cache_{tag}", env))
             if rows <= args.trl_rows:
-                arms["TRL"] = lambda run, cache: trl_run(model, data, work / f"trl_{tag}_{run}",
-                                                        work / f"trl_cache_{tag}", env, cores)
-            for arm, run in arms.items():
+                tag = f"{tokenizer_name}_{rows}"
+                arms[("TRL", "jsonl")] = (lines, lambda run, cache, tag=tag: trl_run(
+                    model, lines, work / f"trl_{tag}_{run}", work / f"trl_cache_{tag}", env, cores))
+            for (arm, fmt), (data, run) in arms.items():
                 for which in ("first", "cached"):
                     load = load_average()
                     result = run(which, None)
-                    result.update(arm=arm, run=which, rows=rows, tokenizer=tokenizer_name, load_before=load,
+                    result.update(arm=arm, format=fmt, run=which, rows=rows, tokenizer=tokenizer_name,
+                                  load_before=load,
                                   load_after=load_average(), file_mb=data.stat().st_size / 2**20)
                     results.append(result)
-                    print(f"{tag} {arm:8s} {which:6s}: data ready {result['data_ready_s']:.1f} s, first step "
+                    print(f"{tokenizer_name}_{rows} {fmt:5s} {arm:8s} {which:6s}: data ready {result['data_ready_s']:.1f} s, first step "
                           f"{result['first_step_s']:.1f} s, wall {result['wall_s']:.1f} s, CPU "
                           f"{result['cpu_s']:.0f} s, peak RSS "
                           f"{result['peak_rss_mb']:.0f} MiB (workers {result['workers_peak_mb']:.0f}), load "
@@ -250,22 +273,30 @@ def section(results: list[dict], args) -> str:
              f"Machine: {harness.machine_description()}; {harness.code_description()}. Load average (1/5/15 min) "
              "before and after each run is in the table: the 2 cores were shared with other jobs, so times are "
              "noisy, memory is not.", "",
-             "| tokenizer | rows | file (MB) | arm | run | peak RSS (MiB) | pool workers' peak (MiB) | data ready (s) "
+             "| tokenizer | rows | file | file (MB) | arm | run | peak RSS (MiB) | pool workers' peak (MiB) | data ready (s) "
              "| first step (s) | wall (s) | CPU (s) | load before -> after |",
-             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
-        lines.append(f"| {r['tokenizer']} | {r['rows']} | {r['file_mb']:.0f} | {r['arm']} | {r['run']} | "
+        lines.append(f"| {r['tokenizer']} | {r['rows']} | {r.get('format', 'jsonl')} | {r['file_mb']:.0f} | {r['arm']} | {r['run']} | "
                      f"{r['peak_rss_mb']:.0f} | {r['workers_peak_mb']:.0f} | {r['data_ready_s']:.1f} | "
                      f"{r['first_step_s']:.1f} | {r['wall_s']:.1f} | {r.get('cpu_s', float('nan')):.0f} | "
                      f"{r['load_before']} -> {r['load_after']} |")
     lines.append("")
     for tokenizer in sorted({r["tokenizer"] for r in results}):
         first = sorted((r["rows"], r["peak_rss_mb"]) for r in results
-                       if r["tokenizer"] == tokenizer and r["arm"] == "openpack" and r["run"] == "first")
+                       if r["tokenizer"] == tokenizer and r["arm"] == "openpack" and r["run"] == "first"
+                       and r.get("format", "jsonl") == "jsonl")
         if len(first) >= 2:
             (n0, m0), (n1, m1) = first[0], first[-1]
             lines.append(f"openpack's peak RSS grows by {(m1 - m0) * 2**20 / (n1 - n0):.0f} bytes a row from {n0} "
                          f"to {n1} rows ({tokenizer} tokenizer, first runs).")
+    for r in results:
+        if r.get("format") == "json" and r["run"] == "first":
+            twin = [t["peak_rss_mb"] for t in results if t["arm"] == "openpack" and t["run"] == "first"
+                    and t.get("format", "jsonl") == "jsonl" and (t["rows"], t["tokenizer"]) == (r["rows"], r["tokenizer"])]
+            if twin:
+                lines.append(f"The same {r['rows']} rows as one `.json` array: peak RSS {r['peak_rss_mb']:.0f} MiB "
+                             f"against {twin[0]:.0f} MiB as JSONL ({r['tokenizer']} tokenizer, first runs).")
     return "\n".join(lines)
 
 

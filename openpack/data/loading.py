@@ -17,8 +17,10 @@ Trade-offs:
   every row as Python dicts (``Rows``): for small sets (held-out data,
   ``openpack score``, tests). Training reads through ``prepared.py``, which
   keeps lengths only.
-* A ``.json`` array is parsed whole and held (one broken bracket fails the
-  whole file); convert large sets to JSONL or parquet.
+* A ``.json`` array is indexed like JSONL (``json_array.py``: each element's
+  byte span and line, 24 bytes a row) and read by index, an element at a time;
+  a broken element is one bad row, named ``file.json[16]`` with its line.
+  Only a file that is one object (not an array) is parsed whole and held.
 * JSONL is parsed line by line with ``json.loads`` rather than through
   ``datasets``, so a malformed line is reported as ``file.jsonl:3`` and can be
   skipped and counted with ``--skip_bad_samples``.
@@ -41,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
+
+from openpack.data.json_array import ArrayStructureError, index_json_array
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 SKIP_HINT = "or pass --skip_bad_samples to skip such rows and count them"
@@ -122,8 +126,10 @@ class RowFile:
     """One data file (or hub split) whose rows are read by index: ``read(local indices)`` gives each row's value,
     a ``DataError`` for a row that is not a JSON object, or None for a blank line.
 
-    ``kind``: ``jsonl`` (``lines[k]`` is where line k starts; the last entry is one past the end), ``held`` (a
-    ``.json`` file's rows, parsed whole), ``table`` (a parquet file's memory-mapped Arrow table, or a hub dataset).
+    ``kind``: ``jsonl`` (``lines[k]`` is where line k starts; the last entry is one past the end), ``array`` (a
+    ``.json`` array: ``spans[k]`` is element k's byte range, ``lines[k]`` the line it starts on), ``held`` (rows
+    parsed and held: a ``.json`` file of one object, or a window of a table), ``table`` (a parquet file's
+    memory-mapped Arrow table, or a hub dataset).
     ``digest`` names the content (sha256 of a file; a hub dataset's fingerprint).
     """
 
@@ -132,6 +138,7 @@ class RowFile:
     size: int
     digest: str
     lines: np.ndarray | None = None
+    spans: np.ndarray | None = None
     held: list | None = None
     table: object = None
     offset: int = 0  # a window's first row in its file
@@ -145,7 +152,10 @@ class RowFile:
         local = np.asarray(local, dtype=np.int64)
         if self.kind == "jsonl":
             return [_parse_line(line, self.source(i), i + self.offset == 0)
-                    for i, line in zip(local.tolist(), self._lines(local))]
+                    for i, line in zip(local.tolist(), self._bytes(local))]
+        if self.kind == "array":
+            return [_parse_element(text, self.source(i), int(self.lines[i]))
+                    for i, text in zip(local.tolist(), self._bytes(local))]
         return [_check_object(value, self.source(i)) for i, value in zip(local.tolist(), self._values(local))]
 
     def window(self, start: int, stop: int) -> RowFile:
@@ -154,6 +164,9 @@ class RowFile:
         if self.kind == "jsonl":
             return RowFile(self.name, "jsonl", stop - start, self.digest, lines=self.lines[start:stop + 1],
                            offset=start)
+        if self.kind == "array":
+            return RowFile(self.name, "array", stop - start, self.digest, lines=self.lines[start:stop],
+                           spans=self.spans[start:stop], offset=start)
         return RowFile(self.name, "held", stop - start, self.digest, held=self._values(np.arange(start, stop)),
                        offset=start)
 
@@ -166,16 +179,20 @@ class RowFile:
             return self.table.select(local).to_list()
         return [self.table[i] for i in local.tolist()]  # a plain sequence
 
-    def _lines(self, local: np.ndarray) -> list[bytes]:
-        """The bytes of each line at ``local``: one read for a run of consecutive lines, else one read each."""
+    def _bytes(self, local: np.ndarray) -> list[bytes]:
+        """The bytes of each row at ``local`` (a JSONL line, an array element): one read for a run of consecutive
+        rows, else one read each."""
+        if self.kind == "jsonl":
+            starts, stops = self.lines[local], self.lines[local + 1] - 1
+        else:
+            starts, stops = self.spans[local, 0], self.spans[local, 1]
         with open(self.name, "rb") as f:
             fd = f.fileno()
             if len(local) and local[-1] - local[0] == len(local) - 1 and np.all(np.diff(local) == 1):
-                start, stop = int(self.lines[local[0]]), int(self.lines[local[-1] + 1])
-                data = os.pread(fd, max(0, stop - 1 - start), start)
-                return data.split(b"\n")[:len(local)]
-            return [os.pread(fd, max(0, int(self.lines[i + 1]) - 1 - int(self.lines[i])), int(self.lines[i]))
-                    for i in local.tolist()]
+                base = int(starts[0])
+                data = os.pread(fd, max(0, int(stops[-1]) - base), base)
+                return [data[a - base:b - base] for a, b in zip(starts.tolist(), stops.tolist())]
+            return [os.pread(fd, max(0, b - a), a) for a, b in zip(starts.tolist(), stops.tolist())]
 
 
 @dataclass
@@ -396,26 +413,51 @@ def _parse_line(line: bytes, where: str, first: bool) -> object:
 
 
 def _read_json(path: str) -> RowFile | None:
-    """A JSON array of objects (sources ``path[i]``) or a single object, held; None for JSONL content."""
+    """A ``.json`` file: an array of objects, indexed (sources ``path[i]``); a single object, held; None for JSONL
+    content (a first line that parses alone, or an array followed by more lines)."""
+    with open(path, "rb") as f:
+        start = f.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip()
+        while not start and (more := f.read(1 << 16)):
+            start = more.lstrip()
+        if not start.startswith(b"["):
+            f.seek(0)
+            head = next((line for line in f if line.strip()), b"").removeprefix(codecs.BOM_UTF8)
+    if start.startswith(b"["):
+        try:
+            index = index_json_array(path)
+        except ArrayStructureError as err:
+            raise DataError(
+                f"{path}:{err.line}: malformed JSON array ({err}); with no element boundaries to go by, "
+                "--skip_bad_samples cannot help: fix the file or convert it to JSONL (one object per line)"
+            ) from err
+        if index is None:
+            return None
+        return RowFile(path, "array", len(index.spans), index.digest, lines=index.lines, spans=index.spans)
+    try:
+        json.loads(head)
+        return None  # a whole object on its first line: JSONL
+    except ValueError:
+        pass
     with open(path, "rb") as f:
         data = f.read()
-    digest = hashlib.sha256(data).hexdigest()
-    text = data.removeprefix(codecs.BOM_UTF8)
-    if not text.lstrip().startswith(b"["):
-        try:
-            whole = json.loads(text)  # one (possibly pretty-printed) object
-        except ValueError:
-            return None  # JSONL in a .json file
-        return RowFile(path, "held", 1, digest, held=[whole])
     try:
-        array = json.loads(text)
-    except ValueError as err:
-        where = f"{path}:{err.lineno}" if isinstance(err, json.JSONDecodeError) else path
-        raise DataError(
-            f"{where}: malformed JSON array ({err}); one broken array fails the whole file, so "
-            "--skip_bad_samples cannot help: fix the file or convert it to JSONL (one object per line)"
-        ) from err
-    return RowFile(path, "held", len(array), digest, held=array)
+        whole = json.loads(data.removeprefix(codecs.BOM_UTF8))  # one (possibly pretty-printed) object
+    except ValueError:
+        return None  # JSONL with a broken first line: reported by line
+    return RowFile(path, "held", 1, hashlib.sha256(data).hexdigest(), held=[whole])
+
+
+def _parse_element(text: bytes, where: str, line: int) -> object:
+    """An array element's row: a dict, or a DataError naming the element and the line of the problem."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError on bad bytes
+        if isinstance(err, json.JSONDecodeError):
+            where, detail = f"{where} (line {line + err.lineno - 1})", err.msg
+        else:
+            where, detail = f"{where} (line {line})", str(err)
+        return DataError(f"{where}: malformed JSON ({detail}); fix the element, {SKIP_HINT}", "malformed json")
+    return _check_object(value, where)
 
 
 def _open_parquet(path: str) -> RowFile:

@@ -11,7 +11,7 @@ import pytest
 
 from openpack.data import prepared
 from openpack.data.demo_tokenizer import build_demo_tokenizer
-from openpack.data.loading import DataError, load_rows
+from openpack.data.loading import DataError, load_rows, open_datasets
 from openpack.data.preference import PairTokenization, tokenize_pairs
 from openpack.data.sft import SFTTokenization, tokenize_sft
 from openpack.trainers.run import plan_ranks
@@ -37,10 +37,16 @@ def select(path, tokenizer, cache, how=SFTTokenization(), **kw):
     return prepared.select([path], tokenizer, how, cache_dir=cache, num_proc=1, **kw)
 
 
-def test_the_driver_holds_numbers_only(tmp_path, tokenizer):
+def write_array(path, rows):
+    path.write_text(json.dumps(rows, indent=1))
+    return str(path)
+
+
+@pytest.mark.parametrize("name, writer", [("train.jsonl", write), ("train.json", write_array)])
+def test_the_driver_holds_numbers_only(tmp_path, tokenizer, name, writer):
     """What the plan is made from, and the plans the ranks get, hold no row text: arrays of numbers, the dataset
-    paths and digests."""
-    path = write(tmp_path / "train.jsonl", sft_rows(40))
+    paths and digests (a ``.json`` array too: its elements are indexed, not parsed and held)."""
+    path = writer(tmp_path / name, sft_rows(40))
     data = select(path, tokenizer, tmp_path / "cache").finish(False)
     for array in (data.rows, data.lengths, data.labels):
         assert isinstance(array, np.ndarray) and np.issubdtype(array.dtype, np.integer)
@@ -48,6 +54,7 @@ def test_the_driver_holds_numbers_only(tmp_path, tokenizer):
                           max_epochs=1, max_steps=None, seed=1, micro_train_batch_size=1)
     plans = plan_ranks(data, [path], cfg, world_size=2)
     assert MARKER.encode() not in pickle.dumps((data, plans))
+    assert MARKER.encode() not in pickle.dumps(open_datasets([path]))  # the opened files: offsets, not rows
     assert MARKER in open(path).read()  # the test could fail: the rows do hold it
 
 
@@ -121,14 +128,15 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path, tokenizer, cached):
 
 
 def test_the_parallel_pass_equals_one_process(tmp_path, tokenizer, monkeypatch):
-    """Chunks of 25 rows on a pool of 2 processes give the records of one process, over two files, and a bad row
+    """Chunks of 25 rows on a pool of 2 processes give the records of one process, over three files, and a bad row
     deep in a file is named by its line from either."""
     monkeypatch.setattr(prepared, "CHUNK_ROWS", 25)
     monkeypatch.setattr(prepared, "PARALLEL_FROM", 50)
     rows = sft_rows(120)
     rows[101] = {"prompt": "2+2=", "response": "   "}  # line 102: an empty response
     path = write(tmp_path / "train.jsonl", rows)
-    paths = [path, write(tmp_path / "more.jsonl", sft_rows(60, start=120))]  # one pool serves both files
+    paths = [path, write(tmp_path / "more.jsonl", sft_rows(60, start=120)),  # one pool serves every file
+             write_array(tmp_path / "array.json", sft_rows(60, start=180))]  # its windows carry spans, not rows
     alone = prepared.select(paths, tokenizer, SFTTokenization(), cache_dir=tmp_path / "c1", num_proc=1,
                             skip_bad_samples=True)
     pooled = prepared.select(paths, tokenizer, SFTTokenization(), cache_dir=tmp_path / "c2", num_proc=2,
