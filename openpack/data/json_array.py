@@ -119,12 +119,12 @@ def _scan_block(data: np.ndarray, scan: _Scan) -> tuple[np.ndarray, np.ndarray]:
     steps = np.where(kinds == 2, 0, kinds)
     depth_before = scan.depth + np.cumsum(steps) - steps
     line_of = scan.newlines + 1 + np.searchsorted(newline_at, marks)
-    if len(marks) and scan.depth == 0 and scan.offset == 0 and not scan.closed:
-        scan.opened_line = int(line_of[0])
     closes = np.flatnonzero((depth_before == 1) & (steps == -1))
     stop = int(closes[0]) + 1 if len(closes) else len(marks)
     separator = ((depth_before == 0) & (steps == 1)) | ((depth_before == 1) & (kinds != 1))
     separator[stop:] = False
+    if scan.depth == 0 and separator.any():  # the array opens in this block: its first separator is the [
+        scan.opened_line = int(line_of[np.flatnonzero(separator)[0]])
     if len(closes):
         scan.closed = True
         rest = data[int(marks[closes[0]]) + 1:]

@@ -50,9 +50,11 @@ def test_a_broken_element_is_one_bad_row_named_by_index_and_line(tmp_path):
                         [f"{path}[0]", f"{path}[2]"], Counter({"malformed json": 1}))
 
 
+@pytest.mark.parametrize("block", [1, 1 << 22])  # the [ in a later block than the file's first, or in the first
 @pytest.mark.parametrize("text", ['\n[\n{"a": 1},\n{"a": "never closed}\n]\n',  # a string runs to the end
                                   '\n[\n{"a": 1},\n{"a": [1, 2}\n'])  # cut short
-def test_an_array_that_never_closes_fails_whole_naming_where_it_opened(tmp_path, text):
+def test_an_array_that_never_closes_fails_whole_naming_where_it_opened(tmp_path, monkeypatch, text, block):
+    monkeypatch.setattr(json_array, "BLOCK", block)
     path = tmp_path / "train.json"
     path.write_text(text)
     with pytest.raises(DataError) as err:
