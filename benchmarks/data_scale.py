@@ -249,10 +249,10 @@ def benchmark(args, work: Path) -> int:
                     load = load_average()
                     result = run(which, None)
                     result.update(arm=arm, format=fmt, run=which, rows=rows, tokenizer=tokenizer_name,
-                                  load_before=load,
-                                  load_after=load_average(), file_mb=data.stat().st_size / 2**20)
+                                  load_before=load, load_after=load_average(), file_mb=data.stat().st_size / 2**20)
                     results.append(result)
-                    print(f"{tokenizer_name}_{rows} {fmt:5s} {arm:8s} {which:6s}: data ready {result['data_ready_s']:.1f} s, first step "
+                    print(f"{tokenizer_name}_{rows} {fmt:5s} {arm:8s} {which:6s}: data ready "
+                          f"{result['data_ready_s']:.1f} s, first step "
                           f"{result['first_step_s']:.1f} s, wall {result['wall_s']:.1f} s, CPU "
                           f"{result['cpu_s']:.0f} s, peak RSS "
                           f"{result['peak_rss_mb']:.0f} MiB (workers {result['workers_peak_mb']:.0f}), load "
@@ -273,11 +273,12 @@ def section(results: list[dict], args) -> str:
              f"Machine: {harness.machine_description()}; {harness.code_description()}. Load average (1/5/15 min) "
              "before and after each run is in the table: the 2 cores were shared with other jobs, so times are "
              "noisy, memory is not.", "",
-             "| tokenizer | rows | file | file (MB) | arm | run | peak RSS (MiB) | pool workers' peak (MiB) | data ready (s) "
-             "| first step (s) | wall (s) | CPU (s) | load before -> after |",
+             "| tokenizer | rows | file | file (MB) | arm | run | peak RSS (MiB) | pool workers' peak (MiB) "
+             "| data ready (s) | first step (s) | wall (s) | CPU (s) | load before -> after |",
              "|---|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
-        lines.append(f"| {r['tokenizer']} | {r['rows']} | {r.get('format', 'jsonl')} | {r['file_mb']:.0f} | {r['arm']} | {r['run']} | "
+        lines.append(f"| {r['tokenizer']} | {r['rows']} | {r.get('format', 'jsonl')} | {r['file_mb']:.0f} | "
+                     f"{r['arm']} | {r['run']} | "
                      f"{r['peak_rss_mb']:.0f} | {r['workers_peak_mb']:.0f} | {r['data_ready_s']:.1f} | "
                      f"{r['first_step_s']:.1f} | {r['wall_s']:.1f} | {r.get('cpu_s', float('nan')):.0f} | "
                      f"{r['load_before']} -> {r['load_after']} |")
@@ -293,7 +294,8 @@ def section(results: list[dict], args) -> str:
     for r in results:
         if r.get("format") == "json" and r["run"] == "first":
             twin = [t["peak_rss_mb"] for t in results if t["arm"] == "openpack" and t["run"] == "first"
-                    and t.get("format", "jsonl") == "jsonl" and (t["rows"], t["tokenizer"]) == (r["rows"], r["tokenizer"])]
+                    and t.get("format", "jsonl") == "jsonl" and t["rows"] == r["rows"]
+                    and t["tokenizer"] == r["tokenizer"]]
             if twin:
                 lines.append(f"The same {r['rows']} rows as one `.json` array: peak RSS {r['peak_rss_mb']:.0f} MiB "
                              f"against {twin[0]:.0f} MiB as JSONL ({r['tokenizer']} tokenizer, first runs).")

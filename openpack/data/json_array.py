@@ -55,7 +55,7 @@ class ArrayIndex:
 
 @dataclass
 class _Scan:
-    """What one block hands the next: string state, depth, counts, and the separators found so far."""
+    """What one block hands the next: string state, depth, the line count, and whether the array has closed."""
 
     in_string: bool = False
     backslashes: int = 0  # the run of backslashes the last block ended with

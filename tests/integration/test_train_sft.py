@@ -28,7 +28,8 @@ from hang_guard import HANG_S
 from saved_runs import assert_same_run, read_metrics
 
 COMMON = ["--train_batch_size", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--lr_warmup_ratio", "0",
-          "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100", "--adam_epsilon", "1e-6", "--launcher", "local"]
+          "--lr_scheduler", "constant", "--max_len", "64", "--seed", "1", "--max_norm", "100", "--adam_epsilon", "1e-6",
+          "--launcher", "local"]
 
 LAYOUTS = {
     "packed_dynamic": ["--packing_samples", "--use_dynamic_batch", "--max_tokens_per_gpu", "128"],
