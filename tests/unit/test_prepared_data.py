@@ -148,11 +148,12 @@ def test_the_parallel_pass_equals_one_process(tmp_path, tokenizer, monkeypatch):
     assert f"{path}:102" in str(err.value)
 
 
-def test_pairs_plan_from_lengths_equal_to_tokenize_pairs(tmp_path, tokenizer):
+@pytest.mark.parametrize("name, writer", [("pairs.jsonl", write), ("pairs.json", write_array)])
+def test_pairs_plan_from_lengths_equal_to_tokenize_pairs(tmp_path, tokenizer, name, writer):
     """DPO/RM pairs take the same pass: 2 segments (3 with --prefix_sharing) per pair, equal to the in-memory
-    tokenization's segments."""
+    tokenization's segments; from JSONL or a ``.json`` array alike."""
     rows = [{"prompt": f"{i}+{i}=", "chosen": str(2 * i), "rejected": str(2 * i + 1) * (1 + i % 2)} for i in range(12)]
-    path = write(tmp_path / "pairs.jsonl", rows)
+    path = writer(tmp_path / name, rows)
     pairs, _ = tokenize_pairs(load_rows([path]), tokenizer)
     for sharing in (False, True):
         how = PairTokenization(prefix_sharing=sharing)
@@ -170,17 +171,19 @@ def test_max_samples_without_a_mixture_stops_early_and_caches_nothing(tmp_path, 
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
 
 
-def test_a_prompt_set_reads_each_prompt_by_id(tmp_path, tokenizer):
+@pytest.mark.parametrize("name, writer, where", [("prompts.jsonl", write, lambda path, i: f"{path}:{i + 1}"),
+                                                 ("prompts.json", write_array, lambda path, i: f"{path}[{i}]")])
+def test_a_prompt_set_reads_each_prompt_by_id(tmp_path, tokenizer, name, writer, where):
     """RL prompt sets take the same pass: the usable rows' ids only, each prompt read and tokenized when asked for
     (the ids ``tokenizer(prompt)`` gives), a row with no prompt or a prompt over --prompt_max_len left out and
-    counted, a bad row named by file and line."""
+    counted, a bad row named by file and line (by index in a ``.json`` array)."""
     from openpack.data.prompt_set import PromptSet, PromptTokenization
     from openpack.data.prompts import Prompt
 
     rows = [{"prompt": f"{i}+{i}=" * (1 + i % 4), "answer": str(2 * i)} for i in range(20)]
     rows[3] = {"question": "1+1="}  # no prompt
-    path = write(tmp_path / "prompts.jsonl", rows)
-    expected = [Prompt(tokenizer(row["prompt"])["input_ids"], row["prompt"], row, f"{path}:{i + 1}")
+    path = writer(tmp_path / name, rows)
+    expected = [Prompt(tokenizer(row["prompt"])["input_ids"], row["prompt"], row, where(path, i))
                 for i, row in enumerate(rows) if "prompt" in row]
     long = [p for p in expected if len(p.tokens) > 12]
     expected = [p for p in expected if len(p.tokens) <= 12]
@@ -193,4 +196,4 @@ def test_a_prompt_set_reads_each_prompt_by_id(tmp_path, tokenizer):
     assert data.summary == f"{len(expected)} used, {len(long)} longer than --prompt_max_len 12, 1 no prompt left out"
     with pytest.raises(DataError, match="no 'prompt' key") as err:
         select(path, tokenizer, tmp_path / "cache", how).finish(False)
-    assert f"{path}:4" in str(err.value)
+    assert where(path, 3) in str(err.value)
