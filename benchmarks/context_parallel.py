@@ -120,7 +120,10 @@ def worker(spec_path: Path, rank: int) -> int:
         result = measured_step(model, spec, rank, device)
     Path(f"{spec['out']}.rank{rank}.json").write_text(json.dumps(result))
     if spec["split"]:
+        from openpack.distributed.process import exit_now
+
         dist.destroy_process_group()
+        exit_now(0)  # not through finalisation: a gloo worker may still be releasing the last collective's tensors
     return 0
 
 

@@ -22,7 +22,7 @@ from openpack.core.logprobs import pair_segments, segment_logprobs
 from openpack.core.losses import LossParams, pair_losses
 from openpack.core.reward_losses import reward_pair_losses
 from openpack.core.rl_losses import PolicyLossParams, policy_terms, token_weights
-from openpack.distributed.process import DistInfo
+from openpack.distributed.process import DistInfo, exit_now
 from openpack.models.context_parallel import last_token_readout, set_context_group, whole_segment_values
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm
@@ -246,3 +246,4 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    exit_now(0)  # not through finalisation: a gloo worker may still be releasing the last all-gather's tensors
