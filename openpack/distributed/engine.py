@@ -21,7 +21,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from openpack.distributed.nonfinite import DEFAULT_MAX_IN_A_ROW, StepGuard
-from openpack.models.memory import MEMORY_TRACE, mark_memory, release_freed_memory
+from openpack.models.memory import MEMORY_TRACE, HeapTrimmer, mark_memory
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -279,17 +279,20 @@ def gather_head_with_forward(module: torch.nn.Module) -> None:
 
 
 def _release_memory_after_steps(engine) -> None:
-    """CPU: the heap's free pages go back to the OS after every backward and optimizer step (``release_freed_memory``:
-    a ZeRO-2 rank of SmolLM2-135M peaked 24% lower). GPUs keep activations in PyTorch's caching allocator instead."""
+    """CPU: the heap's free pages go back to the OS after a backward or optimizer step that freed more than
+    ``TRIM_MARGIN`` (``HeapTrimmer``: a ZeRO-2 rank of SmolLM2-135M peaked 24% lower). GPUs keep activations in
+    PyTorch's caching allocator instead."""
+    trim = HeapTrimmer()
     for name in ("backward", "step"):
         call = getattr(engine, name)
 
         def released(*args, _call=call, **kwargs):
             result = _call(*args, **kwargs)
-            release_freed_memory()
+            trim()
             return result
 
         setattr(engine, name, released)
+    engine.heap_trimmer = trim
 
 
 def _trace_steps(engine, steps: int = 2) -> None:

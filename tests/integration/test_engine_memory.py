@@ -14,7 +14,7 @@ from openpack.core.batch import collate_packed
 from openpack.distributed.engine import (DEEPSPEED_BUCKET, OptimConfig, ZeroConfig, bucket_elements, create_engine,
                                          deepspeed_config, optimizer_step)
 from openpack.distributed.process import init_distributed
-from openpack.models.memory import release_freed_memory
+from openpack.models.memory import HeapTrimmer, release_freed_memory
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm
 from openpack.models.verify import random_segments
@@ -73,13 +73,41 @@ def test_freed_activations_go_back_to_the_os():
     assert keep.sum() == 1 << 20
 
 
-def test_cpu_engines_release_memory_after_every_backward_and_step(monkeypatch):
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_the_heap_is_trimmed_only_after_it_grew_by_the_margin():
+    """A tiny model's step frees a few MB: trimming it every time cost a third of its step (page faults after each
+    trim), so ``HeapTrimmer`` trims only when the resident set grew by its margin since the last trim."""
+    trim = HeapTrimmer(margin=128 << 20)
+    trim()
+    assert trim.trims == 1  # the first call trims: nothing to compare with yet
+    torch.empty(1 << 20).zero_()  # raise glibc's mmap threshold: what follows comes from the heap
+    small = [torch.ones(1 << 18) for _ in range(16)]  # 16 MiB of a tiny model's activations
+    del small
+    trim()
+    assert trim.trims == 1, "a step that freed 16 MiB was trimmed"
+    tensors = [torch.ones(1 << 20) for _ in range(64)]  # 256 MiB of 4 MiB activations, freed below a live one
+    keep = tensors.pop()
+    del tensors
+    held = resident_mib()
+    trim()
+    assert trim.trims == 2 and held - resident_mib() > 128, "256 MiB freed were not handed back"
+    assert keep.sum() == 1 << 20
+
+
+def test_cpu_engines_trim_after_every_backward_and_step(monkeypatch):
     import openpack.distributed.engine as engine_module
 
     calls = []
-    monkeypatch.setattr(engine_module, "release_freed_memory", lambda: calls.append(1))
+
+    class Counted(HeapTrimmer):
+        def __call__(self):
+            calls.append(1)
+            super().__call__()
+
+    monkeypatch.setattr(engine_module, "HeapTrimmer", Counted)
     dist = init_distributed()
-    engine = create_engine(PackedCausalLM(tiny_causal_lm("qwen2", seed=5)), OPTIM, ZeroConfig(2, False, False, False), 1)
+    engine = create_engine(PackedCausalLM(tiny_causal_lm("qwen2", seed=5)), OPTIM,
+                           ZeroConfig(2, False, False, False), 1)
     batch = collate_packed(random_segments([5, 9, 3], 256, 0))
     for boundary in (False, True):  # two micro-batches: DPO and RM step after each, only the last updates
         engine.set_gradient_accumulation_boundary(boundary)
