@@ -292,7 +292,6 @@ def _release_memory_after_steps(engine) -> None:
             return result
 
         setattr(engine, name, released)
-    engine.heap_trimmer = trim
 
 
 def _trace_steps(engine, steps: int = 2) -> None:

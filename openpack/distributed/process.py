@@ -151,7 +151,7 @@ def exit_now(code: int = 0):
     noexcept destructor and the process aborts ("terminate called without an active exception", exit 134) after
     its work was done: 1 run in 50-100 of ``tests/integration/context_parallel_script.py`` on 2 CPU ranks, where a
     rank exits right after its last all-gather. ``destroy_process_group`` does not join the workers while anything
-    (an autograd node's saved group) still refers to the group.
+    (a variable, an autograd node's saved group) still refers to the group.
     """
     sys.stdout.flush()
     sys.stderr.flush()
