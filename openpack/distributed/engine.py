@@ -279,9 +279,9 @@ def gather_head_with_forward(module: torch.nn.Module) -> None:
 
 
 def _release_memory_after_steps(engine) -> None:
-    """CPU: the heap's free pages go back to the OS after a backward or optimizer step that freed more than
-    ``TRIM_MARGIN`` (``HeapTrimmer``: a ZeRO-2 rank of SmolLM2-135M peaked 24% lower). GPUs keep activations in
-    PyTorch's caching allocator instead."""
+    """CPU: the heap's free pages go back to the OS after a backward or optimizer step once the resident set grew
+    by ``TRIM_MARGIN`` since the last trim (``HeapTrimmer``: a ZeRO-2 rank of SmolLM2-135M peaked 24% lower than
+    never trimming). GPUs keep activations in PyTorch's caching allocator instead."""
     trim = HeapTrimmer()
     for name in ("backward", "step"):
         call = getattr(engine, name)

@@ -231,7 +231,7 @@ class HeapTrimmer:
 
 
 def resident_bytes() -> int:
-    """This process's resident set (``/proc/self/statm``: one read, 5 us on the 2-core Xeon); 0 where there is no procfs."""
+    """This process's resident set (``/proc/self/statm``: one read, 5 us on the 2-core Xeon); 0 without procfs."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

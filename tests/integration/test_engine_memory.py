@@ -14,7 +14,7 @@ from openpack.core.batch import collate_packed
 from openpack.distributed.engine import (DEEPSPEED_BUCKET, OptimConfig, ZeroConfig, bucket_elements, create_engine,
                                          deepspeed_config, optimizer_step)
 from openpack.distributed.process import init_distributed
-from openpack.models.memory import HeapTrimmer, release_freed_memory
+from openpack.models.memory import HeapTrimmer, release_freed_memory, resident_bytes
 from openpack.models.packed import PackedCausalLM
 from openpack.models.tiny import tiny_causal_lm
 from openpack.models.verify import random_segments
@@ -55,8 +55,7 @@ def test_fp32_master_is_the_weights_partition_and_steps_them(stage):
 
 
 def resident_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    return resident_bytes() / 2**20
 
 
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
